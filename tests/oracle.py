@@ -1,0 +1,79 @@
+"""A test-only drafting side that knows the target's greedy continuation and puts it into the tree.
+
+Random drafters accept almost nothing; this one makes deep acceptance, multi-step cache compaction and the
+bonus-token bookkeeping happen. Per step it places the true token of each depth at a random rank among the
+drafted candidates, and sometimes drops it at one depth (so acceptance stops part-way, on a branch).
+"""
+
+from __future__ import annotations
+
+import random
+
+import torch
+
+from treeflash_hf.draft import BlockDraft, TreeFlashCandidateGenerator
+
+
+class OracleCandidateGenerator(TreeFlashCandidateGenerator):
+    def __init__(self, drafter, target, options, reference: list[int], seed: int = 0, max_rank: int = 2,
+                 miss_prob: float = 0.3):
+        super().__init__(drafter, target, options)
+        self.reference = reference
+        self.rng = random.Random(seed)
+        self.max_rank = max_rank if options.tree_mode != "chain" else 0
+        self.miss_prob = miss_prob
+        self.truth: list[int] = []
+        self.miss_depth = -1
+
+    def _plan(self, anchor_position: int, depth: int) -> None:
+        self.truth = self.reference[anchor_position + 1 : anchor_position + 1 + depth]
+        self.ranks = [self.rng.randint(0, self.max_rank) for _ in range(depth)]
+        self.miss_depth = self.rng.randint(1, max(depth, 1)) if self.rng.random() < self.miss_prob else -1
+
+    def _place(self, values: torch.Tensor, token: int, rank: int) -> torch.Tensor:
+        """Log-probs `[V]` rewritten to be peaked: `max_rank + 1` strong candidates, `token` at `rank` (0 = best)."""
+        values = values.clone()
+        others = values.clone()
+        others[token] = -float("inf")
+        decoys = others.topk(self.max_rank + 1).indices.tolist()
+        strong = [d for d in decoys][: self.max_rank]
+        strong.insert(rank, token)
+        for position, candidate in enumerate(strong):
+            values[candidate] = 8.0 - position
+        return torch.log_softmax(values, dim=-1)
+
+    def draft(self, anchor_token, anchor_position, new_context, max_depth, prev_token=-1) -> BlockDraft:
+        block = super().draft(anchor_token, anchor_position, new_context, max_depth, prev_token)
+        self._plan(anchor_position, block.depth)
+        log_probs = block.marginal_log_probs.clone()
+        for d, token in enumerate(self.truth):
+            if d + 1 == self.miss_depth:
+                log_probs[d, token] = -float("inf")
+            else:
+                log_probs[d] = self._place(log_probs[d], token, self.ranks[d])
+        block.marginal_log_probs = log_probs
+        return block
+
+    def ar_tables(self, block: BlockDraft):
+        child_tokens, child_log_probs, row_of = super().ar_tables(block)
+        child_tokens = child_tokens.clone()
+        # Row 0: children of the root; rows of depth-d nodes carrying the true token get the true next token.
+        rows = [(0, 0)] + [
+            (row_of[d - 1][self.truth[d - 1]], d)
+            for d in range(1, min(len(self.truth), block.depth))
+            if self.truth[d - 1] in row_of[d - 1]
+        ]
+        for row, d in rows:
+            if d >= len(self.truth):
+                continue
+            token = self.truth[d]
+            present = (child_tokens[row] == token).nonzero()
+            if d + 1 == self.miss_depth:
+                if len(present):
+                    child_tokens[row, int(present[0])] = (token + 1) % self.drafter.config.vocab_size
+                continue
+            rank = min(self.ranks[d], child_tokens.shape[1] - 1)
+            if len(present):
+                child_tokens[row, int(present[0])] = child_tokens[row, rank]
+            child_tokens[row, rank] = token
+        return child_tokens, child_log_probs, row_of

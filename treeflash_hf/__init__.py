@@ -1,0 +1,43 @@
+"""treeflash-hf: TreeFlash speculative decoding for Hugging Face transformers.
+
+`import treeflash_hf` registers the drafter with the Auto classes and routes
+`target.generate(**inputs, assistant_model=drafter)` to lossless TreeFlash decoding.
+"""
+
+from transformers import AutoConfig, AutoModel
+
+from .modeling.configuration_treeflash_drafter import TreeFlashDrafterConfig
+from .modeling.modeling_treeflash_drafter import TreeFlashDrafterModel
+from .draft import BlockDraft, TreeFlashCandidateGenerator
+from .generation import (
+    TreeFlashGenerateOutput,
+    TreeFlashStats,
+    install_generate_hook,
+    treeflash_decode,
+    treeflash_generate,
+)
+from .options import TreeOptions
+from .tree import DraftTree
+from .validation import TreeFlashInputError
+
+__version__ = "0.1.0"
+
+AutoConfig.register(TreeFlashDrafterConfig.model_type, TreeFlashDrafterConfig, exist_ok=True)
+AutoModel.register(TreeFlashDrafterConfig, TreeFlashDrafterModel, exist_ok=True)
+TreeFlashDrafterConfig.register_for_auto_class()
+TreeFlashDrafterModel.register_for_auto_class("AutoModel")
+install_generate_hook()
+
+__all__ = [
+    "BlockDraft",
+    "DraftTree",
+    "TreeFlashCandidateGenerator",
+    "TreeFlashDrafterConfig",
+    "TreeFlashDrafterModel",
+    "TreeFlashGenerateOutput",
+    "TreeFlashInputError",
+    "TreeFlashStats",
+    "TreeOptions",
+    "treeflash_decode",
+    "treeflash_generate",
+]

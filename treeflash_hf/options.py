@@ -1,0 +1,47 @@
+"""The decoding knobs (`tree_mode`, `tree_budget`, `tree_top_m`, `tree_top_k`) and their validation."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, fields
+
+TREE_MODES = ("chain", "marginal_tree", "treeflash")
+OPTION_NAMES = ("tree_mode", "tree_budget", "tree_top_m", "tree_top_k")
+
+
+@dataclass(frozen=True)
+class TreeOptions:
+    """tree_mode: `"chain"` (DFlash), `"marginal_tree"` (DDTree) or `"treeflash"`.
+    tree_budget: tokens the target verifies per step, **including the root** (1 = plain decoding).
+    tree_top_m: M, tokens per depth of the stage-1 top tree (each gets an AR row).
+    tree_top_k: K, children kept per (depth, previous token)."""
+
+    tree_mode: str = "treeflash"
+    tree_budget: int = 64
+    tree_top_m: int = 16
+    tree_top_k: int = 16
+
+    def __post_init__(self) -> None:
+        if self.tree_mode not in TREE_MODES:
+            raise ValueError(f"tree_mode={self.tree_mode!r} is not a TreeFlash mode: use one of {TREE_MODES}.")
+        for name in ("tree_budget", "tree_top_m", "tree_top_k"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise ValueError(
+                    f"{name}={value!r} is invalid: it must be an integer >= 1"
+                    + (" (the budget counts the root, so 1 means plain decoding)." if name == "tree_budget" else ".")
+                )
+
+    @classmethod
+    def resolve(cls, drafter, overrides: dict) -> "TreeOptions":
+        """Defaults from the drafter's `generation_config` (then its config), overridden by `overrides`."""
+        values = {}
+        generation_config = getattr(drafter, "generation_config", None)
+        for field in fields(cls):
+            value = getattr(generation_config, field.name, None)
+            if value is None:
+                value = getattr(drafter.config, field.name, None)
+            if overrides.get(field.name) is not None:
+                value = overrides[field.name]
+            if value is not None:
+                values[field.name] = value
+        return cls(**values)
