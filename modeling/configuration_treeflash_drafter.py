@@ -14,12 +14,16 @@ def default_target_layer_ids(num_target_layers: int, num_draft_layers: int) -> l
     """DFlash's rule for the target layers whose outputs feed the drafter.
 
     One layer: the middle one. Otherwise `num_draft_layers` ids spread as
-    `round(1 + i * (L - 4) / (n - 1))`, e.g. `[1, 9, 17, 25, 33]` for L=36, n=5.
+    `round(1 + i * (L - 4) / (n - 1))`, e.g. `[1, 9, 17, 25, 33]` for L=36, n=5 (targets too shallow for
+    that rule get ids spread over all layers, `round(i * (L - 1) / (n - 1))`).
     """
     if num_draft_layers == 1:
         return [num_target_layers // 2]
-    start, end = 1, num_target_layers - 3
-    span = end - start
+    span = num_target_layers - 4
+    if span < num_draft_layers - 1:  # too shallow for the rule: spread over all layers instead
+        start, span = 0, num_target_layers - 1
+    else:
+        start = 1
     return [int(round(start + i * span / (num_draft_layers - 1))) for i in range(num_draft_layers)]
 
 

@@ -57,6 +57,9 @@ class OracleCandidateGenerator(TreeFlashCandidateGenerator):
     def ar_tables(self, block: BlockDraft):
         child_tokens, child_log_probs, row_of = super().ar_tables(block)
         child_tokens = child_tokens.clone()
+        # Peaked, sorted children (a confident drafter), so that best-first goes deep rather than wide.
+        steep = torch.log_softmax(-1.0 * torch.arange(child_tokens.shape[1], dtype=torch.float32), dim=-1)
+        child_log_probs = steep.expand_as(child_log_probs).to(child_log_probs.device).clone()
         # Row 0: children of the root; rows of depth-d nodes carrying the true token get the true next token.
         rows = [(0, 0)] + [
             (row_of[d - 1][self.truth[d - 1]], d)
