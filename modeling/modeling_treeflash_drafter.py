@@ -20,7 +20,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 from torch import nn
-from transformers import PreTrainedModel
+from transformers import GenerationConfig, PreTrainedModel
 from transformers import initialization as init
 from transformers.activations import ACT2FN
 from transformers.modeling_outputs import BaseModelOutputWithPast
@@ -52,9 +52,13 @@ class TreeFlashRotaryEmbedding(nn.Module):
 
     def __init__(self, config: TreeFlashDrafterConfig):
         super().__init__()
-        dim = config.head_dim
-        inv_freq = 1.0 / (config.rope_theta ** (torch.arange(0, dim, 2, dtype=torch.float32) / dim))
-        self.register_buffer("inv_freq", inv_freq, persistent=False)
+        self.head_dim = config.head_dim
+        self.rope_theta = config.rope_theta
+        self.register_buffer("inv_freq", self.compute_inv_freq(), persistent=False)
+
+    def compute_inv_freq(self) -> torch.Tensor:
+        dim = self.head_dim
+        return 1.0 / (self.rope_theta ** (torch.arange(0, dim, 2, dtype=torch.float32) / dim))
 
     def forward(self, position_ids: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
         freqs = position_ids[..., None].float() * self.inv_freq.to(position_ids.device)
@@ -164,6 +168,7 @@ class TreeFlashARLayer(nn.Module):
         self.norm = TreeFlashRMSNorm(config.hidden_size, eps=config.rms_norm_eps)
         self.ug = nn.Linear(in_features, out_features, bias=True)
         self.d = nn.Linear(inner, config.hidden_size, bias=False)
+        self.d.zero_init = True  # read by `_init_weights`: a fresh AR layer is the identity
 
     def forward(
         self,
@@ -202,11 +207,12 @@ class TreeFlashDrafterPreTrainedModel(PreTrainedModel):
     _supports_sdpa = True
 
     def _init_weights(self, module: nn.Module) -> None:
-        super()._init_weights(module)
-        if isinstance(module, TreeFlashRMSNorm):
-            init.ones_(module.weight)
-        elif isinstance(module, TreeFlashARLayer):
-            init.zeros_(module.d.weight)
+        if isinstance(module, nn.Linear) and getattr(module, "zero_init", False):
+            init.zeros_(module.weight)
+        elif isinstance(module, TreeFlashRotaryEmbedding):  # a non-persistent buffer: recomputed on load
+            init.copy_(module.inv_freq, module.compute_inv_freq())
+        else:
+            super()._init_weights(module)
 
 
 class TreeFlashDrafterModel(TreeFlashDrafterPreTrainedModel):
@@ -225,6 +231,13 @@ class TreeFlashDrafterModel(TreeFlashDrafterPreTrainedModel):
         self.norm = TreeFlashRMSNorm(config.hidden_size, eps=config.rms_norm_eps)
         self.rotary_emb = TreeFlashRotaryEmbedding(config)
         self.ar_approximation = TreeFlashARLayer(config)
+        # Decoding knobs read by the TreeFlash engine (defaults from the config; per-call overrides win).
+        self.generation_config = GenerationConfig(
+            tree_mode=config.tree_mode,
+            tree_budget=config.tree_budget,
+            tree_top_m=config.tree_top_m,
+            tree_top_k=config.tree_top_k,
+        )
         self.post_init()
 
     def project_context(self, context_hidden_states: torch.Tensor) -> torch.Tensor:

@@ -72,7 +72,8 @@ def test_oracle_drafter_deep_acceptance(arch, mode):
         expected = torch.tensor([reference[: prompt.shape[1] + max_new]])
         for budget in (4, 16, 64):
             options = TreeOptions(tree_mode=mode, tree_budget=budget, tree_top_m=8, tree_top_k=8)
-            oracle = OracleCandidateGenerator(drafter, target, options, reference, seed=prompt_index * 7 + budget)
+            oracle = OracleCandidateGenerator(drafter, target, options, reference, seed=prompt_index * 7 + budget,
+                                              max_rank=1)
             out = treeflash_generate(
                 target, drafter, prompt, max_new_tokens=max_new, candidate_generator=oracle, tree_mode=mode,
                 tree_budget=budget, tree_top_m=8, tree_top_k=8,

@@ -84,19 +84,20 @@ def treeflash_decode(
     drafter=None,
     options: TreeOptions | None = None,
     streamer=None,
-    attention_mask: torch.Tensor | None = None,
-    position_ids: torch.LongTensor | None = None,
-    cache=None,
     candidate_generator: TreeFlashCandidateGenerator | None = None,
-    **unused_model_kwargs,
+    **model_kwargs,
 ) -> torch.LongTensor | TreeFlashGenerateOutput:
     """TreeFlash speculative decoding of `input_ids [1, S]` with target `model`.
 
     Has the signature of a transformers decoding method, so `generate()` prepares everything (config, logits
     processors, stopping criteria, cache) and hands over. Stopping criteria are checked after every emitted
     token, so nothing is emitted past a stop. `candidate_generator` replaces the default drafting side (a
-    `TreeFlashCandidateGenerator` subclass with other drafting or tree rules).
+    `TreeFlashCandidateGenerator` subclass with other drafting or tree rules). Of `model_kwargs`, the
+    target's `attention_mask` `[1, S]`, `position_ids` `[1, S]` and `cache` are used.
     """
+    attention_mask = model_kwargs.get("attention_mask")
+    position_ids = model_kwargs.get("position_ids")
+    cache = model_kwargs.get("cache")
     target = model
     options = options or TreeOptions.resolve(drafter, {})
     check_inputs(target, input_ids)
@@ -206,12 +207,14 @@ def treeflash_generate(
     top_p: float = 1.0,
     top_k: int = 0,
     streamer=None,
+    stopping_criteria: StoppingCriteriaList | None = None,
     candidate_generator: TreeFlashCandidateGenerator | None = None,
     **tree_options,
 ) -> TreeFlashGenerateOutput:
     """Plain-function API (no `generate()`): TreeFlash-decode `input_ids [1, S]`.
 
-    `tree_options` are `tree_mode`, `tree_budget`, `tree_top_m`, `tree_top_k` (defaults from the drafter).
+    `tree_options` are `tree_mode`, `tree_budget`, `tree_top_m`, `tree_top_k` (defaults from the drafter);
+    `stopping_criteria` are checked after every token, like `generate()`'s.
     Returns a `TreeFlashGenerateOutput` with `sequences [1, S + new]` and the per-step statistics.
     """
     unknown = set(tree_options) - set(OPTION_NAMES)
@@ -226,6 +229,7 @@ def treeflash_generate(
         if top_p < 1.0:
             processors.append(TopPLogitsWarper(top_p))
     criteria = StoppingCriteriaList([MaxLengthCriteria(input_ids.shape[1] + max_new_tokens)])
+    criteria.extend(stopping_criteria or [])
     if eos_token_id is not None:
         criteria.append(EosTokenCriteria(eos_token_id))
     config = GenerationConfig(

@@ -1,0 +1,138 @@
+"""The drafter model: zero-initialised AR layer, Auto-class registration, save/load, remote code, stock DFlash."""
+
+import json
+import os
+import subprocess
+import sys
+import textwrap
+from unittest import mock
+
+import torch
+from transformers import AutoConfig, AutoModel
+
+from treeflash_hf import TreeFlashCandidateGenerator, TreeFlashDrafterConfig, TreeFlashDrafterModel, TreeOptions
+from treeflash_hf.testing import matching_drafter, random_target
+
+from .conftest import randomise_ar_layer
+
+
+def draft_once(target, drafter, prompt, options):
+    generator = TreeFlashCandidateGenerator(drafter, target, options)
+    with torch.no_grad():
+        out = target(prompt, output_hidden_states=True)
+    context = generator.context_features(out.hidden_states, slice(None))
+    anchor = int(out.logits[0, -1].argmax())
+    return generator, generator.draft(anchor, prompt.shape[1], context, max_depth=drafter.config.block_size - 1)
+
+
+def test_fresh_drafter_ar_tables_are_the_marginal_tables(qwen3_pair):
+    target, drafter = qwen3_pair
+    assert torch.count_nonzero(drafter.ar_approximation.d.weight) == 0
+    options = TreeOptions(tree_mode="treeflash", tree_budget=16, tree_top_m=4, tree_top_k=5)
+    generator, block = draft_once(target, drafter, torch.tensor([[3, 1, 4, 1, 5, 9, 2]]), options)
+    child_tokens, child_log_probs, row_of = generator.ar_tables(block)
+    marginal_top = block.marginal_log_probs.topk(5, dim=-1)
+    assert torch.equal(child_tokens[0], marginal_top.indices[0])
+    assert torch.equal(child_log_probs[0], marginal_top.values[0])
+    for depth, rows in enumerate(row_of, start=1):
+        for row in rows.values():
+            assert torch.equal(child_tokens[row], marginal_top.indices[depth])
+            assert torch.equal(child_log_probs[row], marginal_top.values[depth])
+
+
+def test_trained_ar_layer_changes_the_tables(qwen3_pair):
+    target, _ = qwen3_pair
+    drafter = randomise_ar_layer(matching_drafter(target, seed=1), std=0.2)
+    options = TreeOptions(tree_mode="treeflash", tree_budget=16, tree_top_m=4, tree_top_k=5)
+    generator, block = draft_once(target, drafter, torch.tensor([[3, 1, 4, 1, 5, 9, 2]]), options)
+    _, child_log_probs, _ = generator.ar_tables(block)
+    assert not torch.allclose(child_log_probs[0], block.marginal_log_probs.topk(5, dim=-1).values[0])
+
+
+def test_ablation_variants_build_and_decode():
+    target = random_target("qwen3", seed=0)
+    reference = target.generate(torch.tensor([[5, 6, 7]]), max_new_tokens=12, do_sample=False)
+    for variant in ({"ar_type": "linear"}, {"ar_num_prev_tokens": 2}):
+        drafter = randomise_ar_layer(matching_drafter(target, **variant))
+        out = target.generate(torch.tensor([[5, 6, 7]]), assistant_model=drafter, max_new_tokens=12,
+                              do_sample=False, tree_mode="treeflash", tree_budget=16)
+        assert torch.equal(out, reference), variant
+
+
+def test_save_and_load_round_trip(tmp_path, qwen3_pair):
+    target, _ = qwen3_pair
+    drafter = randomise_ar_layer(matching_drafter(target, seed=1))
+    drafter.save_pretrained(tmp_path)
+    files = set(os.listdir(tmp_path))
+    assert {"config.json", "model.safetensors", "modeling_treeflash_drafter.py",
+            "configuration_treeflash_drafter.py"} <= files
+    config = json.loads((tmp_path / "config.json").read_text())
+    assert config["model_type"] == "treeflash_drafter"
+    assert config["auto_map"]["AutoModel"].endswith("TreeFlashDrafterModel")
+    assert isinstance(AutoConfig.from_pretrained(tmp_path), TreeFlashDrafterConfig)
+    loaded = AutoModel.from_pretrained(tmp_path)
+    assert isinstance(loaded, TreeFlashDrafterModel)
+    original, reloaded = drafter.state_dict(), loaded.state_dict()
+    assert original.keys() == reloaded.keys()
+    assert all(torch.equal(original[k], reloaded[k]) for k in original)
+
+
+def test_remote_code_loads_in_a_fresh_process_without_the_package(tmp_path, qwen3_pair):
+    _, drafter = qwen3_pair
+    drafter.save_pretrained(tmp_path / "drafter")
+    torch.manual_seed(0)
+    noise = torch.randn(1, drafter.config.block_size, drafter.config.hidden_size)
+    context = torch.randn(1, 5, len(drafter.config.target_layer_ids) * drafter.config.hidden_size)
+    torch.save({"noise": noise, "context": context}, tmp_path / "inputs.pt")
+    with torch.no_grad():
+        expected = drafter(noise_embeds=noise, context_hidden_states=context).last_hidden_state
+    script = textwrap.dedent(
+        f"""
+        import sys, torch
+        sys.modules["treeflash_hf"] = None  # importing the package would fail: prove it is not needed
+        from transformers import AutoModel
+        model = AutoModel.from_pretrained({str(tmp_path / "drafter")!r}, trust_remote_code=True)
+        inputs = torch.load({str(tmp_path / "inputs.pt")!r})
+        with torch.no_grad():
+            out = model(noise_embeds=inputs["noise"], context_hidden_states=inputs["context"]).last_hidden_state
+        torch.save({{"out": out, "state": model.state_dict(), "cls": type(model).__module__}}, {str(tmp_path / "out.pt")!r})
+        """
+    )
+    env = {**os.environ, "HF_HUB_OFFLINE": "1", "HF_HOME": str(tmp_path / "hf_home")}
+    subprocess.run([sys.executable, "-c", script], check=True, cwd=tmp_path, env=env)
+    result = torch.load(tmp_path / "out.pt")
+    assert "treeflash_hf" not in result["cls"]
+    assert torch.equal(result["out"], expected)
+    state = drafter.state_dict()
+    assert all(torch.equal(state[k], result["state"][k]) for k in state)
+
+
+def test_stock_dflash_path_runs_our_weights(qwen3_pair):
+    """`speculation_type="dflash"` leaves decoding to transformers' own linear DFlash loop."""
+    target, drafter = qwen3_pair
+    prompt = torch.tensor([[2, 7, 1, 8, 2, 8]])
+    reference = target.generate(prompt, max_new_tokens=20, do_sample=False)
+    out = target.generate(prompt, assistant_model=drafter, speculation_type="dflash", max_new_tokens=20,
+                          do_sample=False)
+    assert torch.equal(out, reference)
+
+
+def test_candidate_generator_runs_inside_stock_assisted_decoding(qwen3_pair):
+    target, drafter = qwen3_pair
+    prompt = torch.tensor([[2, 7, 1, 8, 2, 8]])
+    reference = target.generate(prompt, max_new_tokens=20, do_sample=False)
+    generator = TreeFlashCandidateGenerator(drafter, target, TreeOptions(tree_mode="chain"),
+                                            max_length=prompt.shape[1] + 20)
+    calls = []
+    original = generator.get_candidates
+
+    def counting(*args, **kwargs):
+        calls.append(1)
+        return original(*args, **kwargs)
+
+    generator.get_candidates = counting
+    with mock.patch.object(type(target), "_get_candidate_generator", return_value=generator):
+        out = target.generate(prompt, assistant_model=drafter, speculation_type="dflash", max_new_tokens=20,
+                              do_sample=False)
+    assert torch.equal(out, reference)
+    assert len(calls) > 1

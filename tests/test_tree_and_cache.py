@@ -1,0 +1,121 @@
+"""Tree construction, the tree attention mask and cache compaction."""
+
+import itertools
+import math
+
+import torch
+from transformers import DynamicCache
+
+from treeflash_hf.cache import compact_cache
+from treeflash_hf.tree import best_first_tree, chain_tree
+from treeflash_hf.verify import verify_tree
+from treeflash_hf.testing import random_target
+
+
+def random_tables(rows: int, k: int, vocab: int, seed: int):
+    generator = torch.Generator().manual_seed(seed)
+    log_probs = torch.log_softmax(torch.randn(rows, vocab, generator=generator) * 2, dim=-1)
+    top = log_probs.topk(k, dim=-1)
+    return top.indices, top.values
+
+
+def marginal_tree(budget: int, depth: int = 4, k: int = 3, vocab: int = 50, seed: int = 0):
+    tokens, log_probs = random_tables(depth, k, vocab, seed)
+    return best_first_tree(7, tokens, log_probs, lambda d, t: d, budget, depth), tokens, log_probs
+
+
+def test_best_first_tree_is_prefix_closed_and_topological():
+    tree, _, _ = marginal_tree(budget=20)
+    parents, depths = tree.parents.tolist(), tree.depths.tolist()
+    assert parents[0] == -1 and depths[0] == 0 and tree.size == 20
+    for node in range(1, tree.size):
+        assert 0 <= parents[node] < node
+        assert depths[node] == depths[parents[node]] + 1
+    # path scores never rise along a path
+    scores = tree.path_log_probs.tolist()
+    assert all(scores[n] <= scores[parents[n]] + 1e-9 for n in range(1, tree.size))
+
+
+def test_best_first_tree_is_optimal_for_the_drafter_objective():
+    """The popped nodes are the budget-1 best of all possible nodes (brute force over the full K-ary tree)."""
+    depth, k = 3, 3
+    for budget in (2, 5, 13, 30, 40):
+        tree, tokens, log_probs = marginal_tree(budget, depth=depth, k=k, seed=budget)
+        all_scores = []
+        for length in range(1, depth + 1):
+            for ranks in itertools.product(range(k), repeat=length):
+                all_scores.append(sum(float(log_probs[d, r]) for d, r in enumerate(ranks)))
+        best = sorted(all_scores, reverse=True)[: budget - 1]
+        got = sorted(tree.path_log_probs[1:].tolist(), reverse=True)
+        assert len(got) == min(budget - 1, len(all_scores))
+        assert all(math.isclose(a, b, abs_tol=1e-5) for a, b in zip(got, best))
+        expected = sum(math.exp(s) for s in best)
+        assert math.isclose(tree.expected_accepted_len, expected, rel_tol=1e-5)
+
+
+def test_leaf_rows_stop_expansion():
+    tokens, log_probs = random_tables(1, 4, 50, seed=3)
+    tree = best_first_tree(1, tokens, log_probs, lambda d, t: 0 if d == 0 else -1, budget=10, max_depth=5)
+    assert tree.size == 5 and tree.depths.max() == 1  # root + its 4 children, which are leaves
+
+
+def test_ancestor_matrix():
+    tree, _, _ = marginal_tree(budget=25, depth=4)
+    anc = tree.ancestor_matrix()
+    parents = tree.parents.tolist()
+    for node in range(tree.size):
+        expected = {node}
+        walker = node
+        while parents[walker] >= 0:
+            walker = parents[walker]
+            expected.add(walker)
+        assert set(anc[node].nonzero().flatten().tolist()) == expected
+
+
+def path_tokens(tree, node):
+    parents, tokens, path = tree.parents.tolist(), tree.tokens.tolist(), []
+    while node >= 0:
+        path.append(tokens[node])
+        node = parents[node]
+    return path[::-1]
+
+
+def test_tree_logits_equal_linear_paths_and_compaction_continues_exactly():
+    for arch in ("qwen3", "llama"):
+        target = random_target(arch, vocab_size=64, seed=4)
+        prompt = torch.tensor([[5, 9, 2, 33, 17, 8]])
+        cache = DynamicCache(config=target.config)
+        with torch.no_grad():
+            target(prompt[:, :-1], cache=cache, use_cache=True)
+        tokens, log_probs = random_tables(4, 3, 64, seed=9)
+        tree = best_first_tree(int(prompt[0, -1]), tokens, log_probs, lambda d, t: d, 16, 4)
+        past_len = prompt.shape[1] - 1
+        logits, _ = verify_tree(target, tree, cache, past_len, past_len, None, [0])
+        for node in range(tree.size):
+            linear = torch.tensor([prompt[0, :-1].tolist() + path_tokens(tree, node)])
+            with torch.no_grad():
+                expected = target(linear).logits[0, -1]
+            torch.testing.assert_close(logits[node], expected, atol=1e-4, rtol=1e-4)
+
+        # Keep the deepest node's path, then continue decoding from the compacted cache.
+        deepest = int(tree.depths.argmax())
+        path_nodes, walker = [], deepest
+        while walker >= 0:
+            path_nodes.append(walker)
+            walker = int(tree.parents[walker])
+        path_nodes = path_nodes[::-1]
+        compact_cache(cache, past_len, torch.tensor(path_nodes))
+        assert cache.get_seq_length() == past_len + len(path_nodes)
+        committed = prompt[0, :-1].tolist() + path_tokens(tree, deepest)
+        next_tokens = torch.tensor([[3, 44]])
+        positions = torch.arange(len(committed), len(committed) + 2)[None]
+        with torch.no_grad():
+            continued = target(next_tokens, cache=cache, position_ids=positions, use_cache=True).logits[0]
+            fresh = target(torch.tensor([committed + [3, 44]])).logits[0, -2:]
+        torch.testing.assert_close(continued, fresh, atol=1e-4, rtol=1e-4)
+
+
+def test_chain_tree_shape():
+    tree = chain_tree(4, torch.tensor([1, 2, 3]), torch.log(torch.tensor([0.5, 0.5, 0.5])))
+    assert tree.tokens.tolist() == [4, 1, 2, 3] and tree.parents.tolist() == [-1, 0, 1, 2]
+    assert math.isclose(tree.expected_accepted_len, 0.5 + 0.25 + 0.125, rel_tol=1e-6)
