@@ -54,29 +54,27 @@ class OracleCandidateGenerator(TreeFlashCandidateGenerator):
         block.marginal_log_probs = log_probs
         return block
 
-    def ar_tables(self, block: BlockDraft):
-        child_tokens, child_log_probs, row_of = super().ar_tables(block)
+    def ar_children(self, block: BlockDraft, parent_depths, parent_tokens):
+        child_tokens, child_log_probs = super().ar_children(block, parent_depths, parent_tokens)
         child_tokens = child_tokens.clone()
         # Peaked, sorted children (a confident drafter), so that best-first goes deep rather than wide.
         steep = torch.log_softmax(-1.0 * torch.arange(child_tokens.shape[1], dtype=torch.float32), dim=-1)
         child_log_probs = steep.expand_as(child_log_probs).to(child_log_probs.device).clone()
-        # Row 0: children of the root; rows of depth-d nodes carrying the true token get the true next token.
-        rows = [(0, 0)] + [
-            (row_of[d - 1][self.truth[d - 1]], d)
-            for d in range(1, min(len(self.truth), block.depth))
-            if self.truth[d - 1] in row_of[d - 1]
-        ]
-        for row, d in rows:
-            if d >= len(self.truth):
+        # Rows of nodes on the true path (the root, or a depth-d node carrying the true token) get the true
+        # next token at the planned rank, or lose it at the planned miss depth.
+        for row, (depth, token) in enumerate(zip(parent_depths.tolist(), parent_tokens.tolist())):
+            on_true_path = depth == 0 or (depth <= len(self.truth) and token == self.truth[depth - 1])
+            if not on_true_path or depth >= len(self.truth):
                 continue
-            token = self.truth[d]
-            present = (child_tokens[row] == token).nonzero()
-            if d + 1 == self.miss_depth:
+            true_next = self.truth[depth]
+            present = (child_tokens[row] == true_next).nonzero()
+            if depth + 1 == self.miss_depth:
                 if len(present):
-                    child_tokens[row, int(present[0])] = (token + 1) % self.drafter.config.vocab_size
+                    unused = next(t for t in range(self.drafter.config.vocab_size) if t not in child_tokens[row])
+                    child_tokens[row, int(present[0])] = unused
                 continue
-            rank = min(self.ranks[d], child_tokens.shape[1] - 1)
+            rank = min(self.ranks[depth], child_tokens.shape[1] - 1)
             if len(present):
                 child_tokens[row, int(present[0])] = child_tokens[row, rank]
-            child_tokens[row, rank] = token
-        return child_tokens, child_log_probs, row_of
+            child_tokens[row, rank] = true_next
+        return child_tokens, child_log_probs

@@ -40,6 +40,20 @@ def test_fresh_drafter_ar_tables_are_the_marginal_tables(qwen3_pair):
             assert torch.equal(child_log_probs[row], marginal_top.values[depth])
 
 
+def test_lazy_and_batched_stage_two_build_the_same_tree(qwen3_pair):
+    target, _ = qwen3_pair
+    drafter = randomise_ar_layer(matching_drafter(target, seed=1), std=0.05)
+    for budget in (2, 8, 16, 64):
+        options = TreeOptions(tree_mode="treeflash", tree_budget=budget, tree_top_m=6, tree_top_k=5)
+        generator, block = draft_once(target, drafter, torch.tensor([[3, 1, 4, 1, 5, 9, 2]]), options)
+        generator.ar_evaluation = "batched"
+        batched = generator.build_tree(block, budget)
+        generator.ar_evaluation = "lazy"
+        lazy = generator.build_tree(block, budget)
+        assert torch.equal(batched.tokens, lazy.tokens) and torch.equal(batched.parents, lazy.parents)
+        assert batched.size <= budget and (batched.depths.max() > 1 or budget < 16)
+
+
 def test_trained_ar_layer_changes_the_tables(qwen3_pair):
     target, _ = qwen3_pair
     drafter = randomise_ar_layer(matching_drafter(target, seed=1), std=0.2)

@@ -7,7 +7,7 @@ import torch
 from transformers import DynamicCache
 
 from treeflash_hf.cache import compact_cache
-from treeflash_hf.tree import best_first_tree, chain_tree
+from treeflash_hf.tree import best_first_tree, chain_tree, table_children
 from treeflash_hf.verify import verify_tree
 from treeflash_hf.testing import random_target
 
@@ -21,7 +21,8 @@ def random_tables(rows: int, k: int, vocab: int, seed: int):
 
 def marginal_tree(budget: int, depth: int = 4, k: int = 3, vocab: int = 50, seed: int = 0):
     tokens, log_probs = random_tables(depth, k, vocab, seed)
-    return best_first_tree(7, tokens, log_probs, lambda d, t: d, budget, depth), tokens, log_probs
+    children_of = table_children(tokens, log_probs, lambda d, t: d)
+    return best_first_tree(7, children_of, budget, depth), tokens, log_probs
 
 
 def test_best_first_tree_is_prefix_closed_and_topological():
@@ -55,7 +56,8 @@ def test_best_first_tree_is_optimal_for_the_drafter_objective():
 
 def test_leaf_rows_stop_expansion():
     tokens, log_probs = random_tables(1, 4, 50, seed=3)
-    tree = best_first_tree(1, tokens, log_probs, lambda d, t: 0 if d == 0 else -1, budget=10, max_depth=5)
+    children_of = table_children(tokens, log_probs, lambda d, t: 0 if d == 0 else -1)
+    tree = best_first_tree(1, children_of, budget=10, max_depth=5)
     assert tree.size == 5 and tree.depths.max() == 1  # root + its 4 children, which are leaves
 
 
@@ -88,7 +90,7 @@ def test_tree_logits_equal_linear_paths_and_compaction_continues_exactly():
         with torch.no_grad():
             target(prompt[:, :-1], cache=cache, use_cache=True)
         tokens, log_probs = random_tables(4, 3, 64, seed=9)
-        tree = best_first_tree(int(prompt[0, -1]), tokens, log_probs, lambda d, t: d, 16, 4)
+        tree = best_first_tree(int(prompt[0, -1]), table_children(tokens, log_probs, lambda d, t: d), 16, 4)
         past_len = prompt.shape[1] - 1
         logits, _ = verify_tree(target, tree, cache, past_len, past_len, None, [0])
         for node in range(tree.size):

@@ -14,7 +14,7 @@ from transformers import DynamicCache
 from transformers.generation.candidate_generator import CandidateGenerator
 
 from .options import TreeOptions
-from .tree import DraftTree, best_first_tree, chain_tree
+from .tree import ChildList, DraftTree, best_first_tree, chain_tree, table_children
 
 
 @dataclass
@@ -49,6 +49,7 @@ class TreeFlashCandidateGenerator(CandidateGenerator):
         options: TreeOptions,
         do_sample: bool = False,
         max_length: int | None = None,
+        ar_evaluation: str | None = None,
     ):
         self.drafter = drafter
         self.options = options
@@ -62,6 +63,14 @@ class TreeFlashCandidateGenerator(CandidateGenerator):
         self.cache = DynamicCache(config=config)
         self.do_sample = do_sample
         self.max_length = max_length
+        # How stage 2 runs (the same tree either way): "batched" evaluates every (depth, top-M token) row in one
+        # call (about M*Q rows); "lazy" evaluates only the rows of nodes the best-first search expands (at most
+        # budget - 1), with `ar_prefetch` likely-next rows per call. "auto" picks lazy when its calls cost less
+        # than the batched rows, counting one call as `call_cost_in_rows` rows: ~4 on a CPU (measured on the
+        # 34M-parameter profile target), effectively infinite on a GPU, where one big batch is nearly free.
+        self.ar_evaluation = ar_evaluation or "auto"
+        self.ar_prefetch = 4
+        self.call_cost_in_rows = 4.0 if drafter.device.type == "cpu" else float("inf")
         # transformers' assisted loop merges this into the target's forward kwargs.
         self.model_kwargs_overrides = {"output_hidden_states": [i + 1 for i in self.target_layer_ids]}
         self._stock_prefilled = False
@@ -105,63 +114,72 @@ class TreeFlashCandidateGenerator(CandidateGenerator):
         )
 
     @torch.no_grad()
-    def ar_tables(self, block: BlockDraft) -> tuple[torch.LongTensor, torch.Tensor, list[dict[int, int]]]:
-        """Stage 2: evaluate the AR layer for every (depth, previous token) of the top-M tree in one batch.
-
-        Rows: row 0 = children of the root (depth 1, previous token `b`); then, for each depth d in 1..D-1 and
-        each of the M tokens w of `S_d` (top-M of the marginal at depth d), the children of w at depth d+1.
-        Returns `child_tokens [R, K]`, `child_log_probs [R, K]` and, per depth d = 1..D-1, `{w: row}`.
-        """
-        depth, top_m, top_k = block.depth, self.options.tree_top_m, self.options.tree_top_k
+    def ar_children(
+        self, block: BlockDraft, parent_depths: torch.LongTensor, parent_tokens: torch.LongTensor
+    ) -> tuple[torch.LongTensor, torch.Tensor]:
+        """Stage 2, for `R` rows at once: the top-K children (depth d+1) of a node carrying `parent_tokens[r]`
+        at depth `d = parent_depths[r]`, from the AR-corrected distribution `q'_{d+1}(. | parent token)`.
+        Returns `child_tokens [R, K]` and `child_log_probs [R, K]`, sorted by decreasing log-prob."""
         device = block.pre_norm_hidden.device
-        top_m = min(top_m, block.marginal_log_probs.shape[-1])
-        top_tokens = block.marginal_log_probs[: depth - 1].topk(top_m, dim=-1).indices  # [D-1, M]: S_1..S_{D-1}
-        hidden_rows = torch.cat(
-            [block.pre_norm_hidden[1:2], block.pre_norm_hidden[2 : depth + 1].repeat_interleave(top_m, dim=0)]
-        )  # [R, H]
-        anchor = torch.tensor([block.anchor_token], device=device)
-        prev_tokens = torch.cat([anchor, top_tokens.flatten()])  # [R]
+        parent_depths, parent_tokens = parent_depths.to(device), parent_tokens.to(device)
+        hidden_rows = block.pre_norm_hidden[parent_depths + 1]  # [R, H]
         prev2_embeds = None
         if self.two_prev_tokens:
-            # The token two back is known for rows 0 and 1..M; deeper rows use the top-1 marginal token of
-            # depth d-1 as a stand-in (tables are per (depth, previous token), not per path).
-            before_anchor = torch.tensor([max(block.prev_token, 0)], device=device)
-            prev2 = torch.cat([before_anchor[None], anchor[None], top_tokens[: max(depth - 2, 0), :1]])[:, 0]
-            prev2_tokens = torch.cat([prev2[:1], prev2[1:depth].repeat_interleave(top_m)])
-            prev2_embeds = self.input_embeddings(prev2_tokens)
+            # Token two back: known for depth 0 (the committed token before b) and depth 1 (b); deeper rows
+            # use the top-1 marginal token of depth d-1 as a stand-in (rows are per (depth, token), not per path).
+            top1 = block.marginal_log_probs.argmax(dim=-1)  # [D]: depth 1..D
+            known = torch.tensor([max(block.prev_token, 0), block.anchor_token], device=device)
+            lookup = torch.cat([known, top1])  # index d -> token two back of a depth-d parent
+            prev2_embeds = self.input_embeddings(lookup[parent_depths])
         corrected = self.drafter.ar_corrected_hidden_states(
-            hidden_rows, self.input_embeddings(prev_tokens), prev2_embeds
+            hidden_rows, self.input_embeddings(parent_tokens), prev2_embeds
         )
         log_probs = torch.log_softmax(self.lm_head(corrected).float(), dim=-1)  # [R, V]
-        child = log_probs.topk(min(top_k, log_probs.shape[-1]), dim=-1)
-        row_of = [
-            {token: 1 + d * top_m + j for j, token in enumerate(tokens)} for d, tokens in enumerate(top_tokens.tolist())
-        ]
-        return child.indices, child.values, row_of
+        child = log_probs.topk(min(self.options.tree_top_k, log_probs.shape[-1]), dim=-1)
+        return child.indices, child.values
+
+    def top_tokens(self, block: BlockDraft) -> torch.LongTensor:
+        """Stage 1: `S_d`, the top-M tokens of each marginal, `[D, M]` for depths 1..D."""
+        top_m = min(self.options.tree_top_m, block.marginal_log_probs.shape[-1])
+        return block.marginal_log_probs.topk(top_m, dim=-1).indices
+
+    def ar_tables(self, block: BlockDraft) -> tuple[torch.LongTensor, torch.Tensor, list[dict[int, int]]]:
+        """Stage 2 for the whole top tree in one batch: row 0 = children of the root (previous token `b`), then
+        for each depth d in 1..D-1 and each w in `S_d`, the children of w. Returns `child_tokens [R, K]`,
+        `child_log_probs [R, K]` and, per depth d = 1..D-1, `{w: row}`."""
+        depth = block.depth
+        top = self.top_tokens(block)[: depth - 1]  # [D-1, M]
+        top_m = top.shape[-1]
+        parent_depths = torch.cat([torch.zeros(1, dtype=torch.long),
+                                   torch.arange(1, depth).repeat_interleave(top_m)])
+        parent_tokens = torch.cat([torch.tensor([block.anchor_token]), top.flatten().cpu()])
+        child_tokens, child_log_probs = self.ar_children(block, parent_depths, parent_tokens)
+        row_of = [{token: 1 + d * top_m + j for j, token in enumerate(row)} for d, row in enumerate(top.tolist())]
+        return child_tokens, child_log_probs, row_of
 
     def build_tree(self, block: BlockDraft, budget: int) -> DraftTree:
         """Stage 3: the tree of at most `budget` nodes (root included) for the configured mode."""
         max_depth = min(block.depth, budget - 1)
         mode = self.options.tree_mode
-        if max_depth <= 0:
-            no_tokens = block.marginal_log_probs.new_zeros(0, dtype=torch.long)
-            return chain_tree(block.anchor_token, no_tokens, block.marginal_log_probs.new_zeros(0))
-        if mode == "chain":
-            best = block.marginal_log_probs[:max_depth].max(dim=-1)
-            return chain_tree(block.anchor_token, best.indices, best.values)
+        if max_depth <= 0 or mode == "chain":
+            best = block.marginal_log_probs[:max(max_depth, 0)].max(dim=-1)
+            return chain_tree(block.anchor_token, best.indices.cpu(), best.values.cpu())
         if mode == "marginal_tree":
             child = block.marginal_log_probs[:max_depth].topk(self.options.tree_top_k, dim=-1)
-
-            def marginal_row(depth: int, token: int) -> int:
-                return depth  # row d holds the children at depth d+1, whatever the parent
-
-            return best_first_tree(block.anchor_token, child.indices, child.values, marginal_row, budget, max_depth)
-        child_tokens, child_log_probs, row_of = self.ar_tables(block)
-
-        def ar_row(depth: int, token: int) -> int:
-            return 0 if depth == 0 else row_of[depth - 1].get(token, -1)
-
-        return best_first_tree(block.anchor_token, child_tokens, child_log_probs, ar_row, budget, max_depth)
+            # row d holds the children at depth d+1, whatever the parent
+            children_of = table_children(child.indices, child.values, lambda depth, token: depth)
+            return best_first_tree(block.anchor_token, children_of, budget, max_depth)
+        batched_rows = 1 + (max_depth - 1) * self.options.tree_top_m
+        lazy_cost = (budget - 1) * self.call_cost_in_rows
+        if self.ar_evaluation == "batched" or (self.ar_evaluation == "auto" and lazy_cost >= batched_rows):
+            child_tokens, child_log_probs, row_of = self.ar_tables(block)
+            children_of = table_children(
+                child_tokens, child_log_probs, lambda d, token: 0 if d == 0 else row_of[d - 1].get(token, -1)
+            )
+            return best_first_tree(block.anchor_token, children_of, budget, max_depth)
+        lazy = LazyARChildren(self, block)
+        return best_first_tree(block.anchor_token, lazy.children_of, budget, max_depth, lazy.prefetch,
+                               prefetch_size=self.ar_prefetch)
 
     # ---- transformers' CandidateGenerator protocol (chain mode, stock linear verification) ---------------
     @torch.no_grad()
@@ -194,3 +212,37 @@ class TreeFlashCandidateGenerator(CandidateGenerator):
 
     def update_candidate_strategy(self, input_ids: torch.LongTensor, scores: torch.Tensor, num_matches: int):
         pass
+
+
+class LazyARChildren:
+    """Stage-2 rows on demand: the AR children of (depth, token) are computed the first time the best-first
+    search expands such a node (batched with the prefetched candidates) and memoised."""
+
+    def __init__(self, generator: TreeFlashCandidateGenerator, block: BlockDraft):
+        self.generator = generator
+        self.block = block
+        top = generator.top_tokens(block).tolist()
+        self.expandable = [set(row) for row in top]  # S_d for depth d = 1..D
+        self.rows: dict[tuple[int, int], ChildList] = {}
+
+    def has_children(self, depth: int, token: int) -> bool:
+        if depth == 0:
+            return True
+        return depth < self.block.depth and token in self.expandable[depth - 1]
+
+    def prefetch(self, keys: list[tuple[int, int]]) -> None:
+        missing = list(dict.fromkeys(k for k in keys if k not in self.rows and self.has_children(*k)))
+        if not missing:
+            return
+        depths = torch.tensor([d for d, _ in missing], dtype=torch.long)
+        tokens = torch.tensor([t for _, t in missing], dtype=torch.long)
+        child_tokens, child_log_probs = self.generator.ar_children(self.block, depths, tokens)
+        for key, row_tokens, row_log_probs in zip(missing, child_tokens.tolist(), child_log_probs.tolist()):
+            self.rows[key] = (row_tokens, row_log_probs)
+
+    def children_of(self, depth: int, token: int) -> ChildList | None:
+        if not self.has_children(depth, token):
+            return None
+        if (depth, token) not in self.rows:
+            self.prefetch([(depth, token)])
+        return self.rows[(depth, token)]

@@ -73,53 +73,72 @@ def chain_tree(root_token: int, tokens: torch.LongTensor, log_probs: torch.Tenso
     return DraftTree(all_tokens, parents, depths, path)
 
 
+ChildList = tuple[list[int], list[float]]  # (tokens, log-probs), sorted by decreasing log-prob
+
+
 def best_first_tree(
     root_token: int,
-    child_tokens: torch.LongTensor,
-    child_log_probs: torch.Tensor,
-    child_row: Callable[[int, int], int],
+    children_of: Callable[[int, int], ChildList | None],
     budget: int,
     max_depth: int,
+    prefetch: Callable[[list[tuple[int, int]]], None] | None = None,
+    prefetch_size: int = 0,
 ) -> DraftTree:
     """Best-first search for the `budget`-node tree maximising the sum of path probabilities.
 
-    child_tokens / child_log_probs: `[R, K]` tables, each row sorted by decreasing log-prob: the top-K
-    children of some (depth, previous token) context. `child_row(depth, token)` names the row holding the
-    children of a node with `token` at `depth` (the root has depth 0), or -1 when the node is a leaf.
+    `children_of(depth, token)` gives the top-K children of a node carrying `token` at `depth` (the root has
+    depth 0), or None for a leaf. Path scores only fall along a path, so the popped set is prefix-closed and is
+    the optimal tree for the drafter's own estimate of expected accepted length. Each pop pushes at most two
+    entries (the node's next sibling and its best child), so the loop runs `budget - 1` times.
 
-    Path scores only fall along a path, so the popped set is prefix-closed and is the optimal tree for the
-    drafter's own estimate of expected accepted length. Each pop pushes at most two entries (the node's
-    next sibling and its best child), so the loop runs `budget - 1` times.
+    `prefetch(keys)` (optional) is told, before a node is expanded, the (depth, token) of that node and of the
+    `prefetch_size` best candidates waiting in the heap, so that lazily computed children can be computed in
+    batches.
     """
-    tokens_table = child_tokens.tolist()
-    logp_table = child_log_probs.float().tolist()
-    num_children = len(tokens_table[0]) if tokens_table else 0
     node_tokens, node_parents, node_depths, node_scores = [root_token], [-1], [0], [0.0]
-    heap: list[tuple[float, int, int, int]] = []  # (-score, parent node, row, rank in row)
+    heap: list[tuple[float, int, int, list[int], list[float]]] = []  # (-score, rank, parent, child list)
 
     def push_first_child(node: int) -> None:
         depth = node_depths[node]
-        if depth >= max_depth or num_children == 0:
+        if depth >= max_depth:
             return
-        row = child_row(depth, node_tokens[node])
-        if row >= 0:
-            heapq.heappush(heap, (-(node_scores[node] + logp_table[row][0]), node, row, 0))
+        if prefetch is not None:
+            waiting = heapq.nsmallest(prefetch_size, heap) if prefetch_size else []
+            keys = [(depth, node_tokens[node])]
+            keys += [(node_depths[entry[2]] + 1, entry[3][entry[1]]) for entry in waiting
+                     if node_depths[entry[2]] + 1 < max_depth]
+            prefetch(keys)
+        children = children_of(depth, node_tokens[node])
+        if children is not None and children[0]:
+            tokens, log_probs = children
+            heapq.heappush(heap, (-(node_scores[node] + log_probs[0]), 0, node, tokens, log_probs))
 
     push_first_child(0)
     while heap and len(node_tokens) < budget:
-        neg_score, parent, row, rank = heapq.heappop(heap)
-        node_tokens.append(tokens_table[row][rank])
+        neg_score, rank, parent, tokens, log_probs = heapq.heappop(heap)
+        node_tokens.append(tokens[rank])
         node_parents.append(parent)
         node_depths.append(node_depths[parent] + 1)
         node_scores.append(-neg_score)
-        if rank + 1 < num_children:
-            heapq.heappush(heap, (-(node_scores[parent] + logp_table[row][rank + 1]), parent, row, rank + 1))
+        if rank + 1 < len(tokens):
+            sibling_score = node_scores[parent] + log_probs[rank + 1]
+            heapq.heappush(heap, (-sibling_score, rank + 1, parent, tokens, log_probs))
         push_first_child(len(node_tokens) - 1)
 
-    device = child_tokens.device
     return DraftTree(
-        tokens=torch.tensor(node_tokens, dtype=torch.long, device=device),
-        parents=torch.tensor(node_parents, dtype=torch.long, device=device),
-        depths=torch.tensor(node_depths, dtype=torch.long, device=device),
-        path_log_probs=torch.tensor(node_scores, dtype=torch.float32, device=device),
+        tokens=torch.tensor(node_tokens, dtype=torch.long),
+        parents=torch.tensor(node_parents, dtype=torch.long),
+        depths=torch.tensor(node_depths, dtype=torch.long),
+        path_log_probs=torch.tensor(node_scores, dtype=torch.float32),
     )
+
+
+def table_children(child_tokens: torch.LongTensor, child_log_probs: torch.Tensor, row_of: Callable[[int, int], int]):
+    """`children_of` over precomputed `[R, K]` tables; `row_of(depth, token)` names a row or -1 (leaf)."""
+    tokens_table, logp_table = child_tokens.tolist(), child_log_probs.float().tolist()
+
+    def children_of(depth: int, token: int) -> ChildList | None:
+        row = row_of(depth, token)
+        return None if row < 0 else (tokens_table[row], logp_table[row])
+
+    return children_of
