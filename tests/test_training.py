@@ -1,0 +1,180 @@
+"""The trainer: losses, frozen backbone, bit-exact resume, verifier KL and slot weights, data masks, errors."""
+
+import math
+
+import pytest
+import torch
+
+from treeflash_hf.training.checkpoint import CheckpointError, load_checkpoint, save_checkpoint
+from treeflash_hf.training.data import MaskedSequences, TokenStream, build_self_distillation_set, stable_split
+from treeflash_hf.training.drafter import DrafterLossConfig, drafter_loss, sample_anchors, train_drafter
+from treeflash_hf.training.lm import train_lm
+from treeflash_hf.training.loop import LoopConfig
+from treeflash_hf.testing import matching_drafter, random_target
+from treeflash_hf.validation import TreeFlashInputError
+
+from .conftest import randomise_ar_layer
+
+VOCAB = 96
+
+
+@pytest.fixture
+def tiny():
+    torch.set_num_threads(1)
+    target = random_target("qwen3", vocab_size=VOCAB, hidden_size=32, num_layers=3, num_heads=2, num_kv_heads=1,
+                           seed=0)
+    drafter = matching_drafter(target, num_layers=1, block_size=4, seed=1)
+    # Structured data (a repeating pattern) so the losses can fall in a few steps.
+    pattern = torch.tensor([3, 17, 5, 40, 22, 9, 61, 13] * 400)
+    return target, drafter, TokenStream(pattern.numpy(), seq_len=24, seed=0)
+
+
+def loop(tmp_path, name, steps, **kw):
+    kw = {"eval_every": 1000, "save_every": 1000, **kw}
+    return LoopConfig(run_dir=str(tmp_path / name), max_steps=steps, batch_size=4, lr=3e-3, warmup_steps=2, **kw)
+
+
+def test_backbone_stage_loss_falls(tmp_path, tiny):
+    target, drafter, data = tiny
+    summary = train_drafter(target, drafter, data, [data.batch(999, 4)], DrafterLossConfig(stage="backbone",
+                            num_anchors=4), loop(tmp_path, "bb", 30))
+    losses = [row["loss"] for row in summary["curve"]]
+    assert sum(losses[-5:]) / 5 < 0.7 * sum(losses[:5]) / 5
+    assert torch.count_nonzero(drafter.ar_approximation.d.weight) == 0  # stage backbone leaves the AR layer
+
+
+def test_ar_stage_keeps_frozen_backbone_bit_identical(tmp_path, tiny):
+    target, drafter, data = tiny
+    before = {k: v.clone() for k, v in drafter.state_dict().items()}
+    summary = train_drafter(target, drafter, data, [data.batch(999, 4)], DrafterLossConfig(stage="ar",
+                            num_anchors=4), loop(tmp_path, "ar", 20))
+    after = drafter.state_dict()
+    for name, value in before.items():
+        if name.startswith("ar_approximation."):
+            continue
+        assert torch.equal(value, after[name]), name
+    assert torch.count_nonzero(after["ar_approximation.d.weight"]) > 0
+    losses = [row["loss"] for row in summary["curve"]]
+    assert losses[-1] < losses[0]
+
+
+def test_resume_continues_bit_for_bit(tmp_path, tiny):
+    target, drafter, data = tiny
+    initial = {k: v.clone() for k, v in drafter.state_dict().items()}
+    config = DrafterLossConfig(stage="backbone", num_anchors=4)
+    train_drafter(target, drafter, data, [], config, loop(tmp_path, "full", 8, save_every=4))
+    uninterrupted = {k: v.clone() for k, v in drafter.state_dict().items()}
+
+    drafter.load_state_dict(initial)
+
+    class Interrupt(Exception):
+        pass
+
+    class Crashing:
+        def batch(self, step, batch_size):
+            if step == 5:
+                raise Interrupt
+            return data.batch(step, batch_size)
+
+    with pytest.raises(Interrupt):
+        train_drafter(target, drafter, Crashing(), [], config, loop(tmp_path, "split", 8, save_every=4))
+    drafter.load_state_dict(initial)  # a fresh process would start from scratch weights
+    train_drafter(target, drafter, data, [], config, loop(tmp_path, "split", 8, save_every=4, resume=True))
+    resumed = drafter.state_dict()
+    assert all(torch.equal(uninterrupted[k], resumed[k]) for k in uninterrupted)
+
+
+@pytest.mark.parametrize("decay", [0.5, 7.0])
+def test_loss_is_weighted_kl_to_the_verifier(tiny, decay):
+    """Recompute the loss of one block independently: the target's distributions (not the data tokens), the
+    drafter run through its inference path on exactly the context before the anchor, weights exp(-(k-1)/decay)."""
+    target, drafter, data = tiny
+    drafter = randomise_ar_layer(drafter, std=0.3)
+    ids = data.batch(3, 1)
+    config = DrafterLossConfig(stage="ar", num_anchors=1, decay=decay)
+    loss, _ = drafter_loss(target, drafter, ids, config, torch.Generator().manual_seed(5))
+    anchor = int(sample_anchors(1, ids.shape[1] - 1, 4, 1, torch.Generator().manual_seed(5))[0, 0])
+
+    tokens = ids[:, :-1]
+    layers = drafter.config.target_layer_ids
+    embed, head = target.get_input_embeddings(), target.get_output_embeddings()
+    with torch.no_grad():
+        out = target(tokens, output_hidden_states=True)
+        context = torch.cat([out.hidden_states[i + 1][:, :anchor] for i in layers], dim=-1)
+        noise = embed(torch.tensor([[int(tokens[0, anchor])] + [drafter.config.mask_token_id] * 3]))
+        h = drafter(noise_embeds=noise, context_hidden_states=context,
+                    position_ids=torch.arange(0, anchor + 4)[None]).pre_norm_hidden_state[0]
+        expected_num, expected_den = 0.0, 0.0
+        for k in range(1, 4):
+            p = torch.log_softmax(out.logits[0, anchor + k - 1].float(), -1)
+            prev = embed(tokens[0, anchor + k - 1])
+            q = torch.log_softmax(head(drafter.ar_corrected_hidden_states(h[k], prev)).float(), -1)
+            weight = math.exp(-(k - 1) / decay)
+            expected_num += weight * float((p.exp() * (p - q)).sum())
+            expected_den += weight
+    assert loss.item() == pytest.approx(expected_num / expected_den, rel=1e-4, abs=1e-6)
+
+    # The data token the last slot predicts (position anchor + 3) feeds nothing of this block but the label:
+    # pure KL to the verifier ignores it, a CE share does not.
+    changed = ids.clone()
+    changed[0, anchor + 3] = (changed[0, anchor + 3] + 1) % VOCAB
+    same, _ = drafter_loss(target, drafter, changed, config, torch.Generator().manual_seed(5))
+    assert same.item() == pytest.approx(loss.item(), rel=1e-6)
+    with_ce = DrafterLossConfig(stage="ar", num_anchors=1, decay=decay, ce_weight=0.5)
+    a, _ = drafter_loss(target, drafter, ids, with_ce, torch.Generator().manual_seed(5))
+    b, _ = drafter_loss(target, drafter, changed, with_ce, torch.Generator().manual_seed(5))
+    assert a.item() != pytest.approx(b.item(), rel=1e-6)
+
+
+def test_lm_training_loss_falls(tmp_path, tiny):
+    target, _, data = tiny
+    summary = train_lm(target.train(), data, data, loop(tmp_path, "lm", 25, eval_every=25), bytes_per_token=3.0)
+    losses = [row["loss"] for row in summary["curve"]]
+    assert losses[-1] < 0.7 * losses[0]
+    assert "eval_bits_per_byte" in summary["curve"][-1]
+
+
+def test_self_distillation_masks_cover_only_responses(tmp_path):
+    from tokenizers import Tokenizer, models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    raw = Tokenizer(models.BPE())
+    raw.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    raw.train_from_iterator(["def f(x):\n    return x + 1\n"] * 20,
+                            trainers.BpeTrainer(vocab_size=300, special_tokens=["<eos>", "<pad>", "<mask>"],
+                                                initial_alphabet=pre_tokenizers.ByteLevel.alphabet()))
+    tokenizer = PreTrainedTokenizerFast(tokenizer_object=raw, eos_token="<eos>", pad_token="<pad>",
+                                        mask_token="<mask>")
+    target = random_target("qwen3", vocab_size=len(tokenizer), hidden_size=32, num_layers=2, num_heads=2,
+                           num_kv_heads=1, seed=0)
+    prompts = ["def f(x):", "return", "def f(x):\n    return x + 1"]
+    dataset = build_self_distillation_set(target, tokenizer, prompts, tmp_path / "sd", max_new_tokens=6,
+                                          batch_size=2)
+    assert len(dataset) == 3
+    for prompt, row in zip(prompts, dataset):
+        prompt_ids = tokenizer(prompt)["input_ids"]
+        assert row["input_ids"][: len(prompt_ids)] == prompt_ids
+        assert row["loss_mask"] == [0] * len(prompt_ids) + [1] * (len(row["input_ids"]) - len(prompt_ids))
+        assert tokenizer.pad_token_id not in row["input_ids"][len(prompt_ids):]
+    import datasets
+
+    reloaded = datasets.load_from_disk(str(tmp_path / "sd"))
+    ids, mask = MaskedSequences(reloaded, seq_len=8, pad_token_id=tokenizer.pad_token_id).batch(0, 2)
+    assert ids.shape == mask.shape == (2, 9)
+
+
+def test_corrupt_checkpoint_and_mismatched_target(tmp_path, tiny):
+    target, drafter, data = tiny
+    path = save_checkpoint(tmp_path / "run", 3, {"model": drafter.state_dict()}, {})
+    (path / "state.pt").write_bytes((path / "state.pt").read_bytes()[:100])
+    with pytest.raises(CheckpointError, match="corrupt or truncated"):
+        load_checkpoint(path)
+    other = random_target("qwen3", vocab_size=VOCAB, hidden_size=48, num_layers=3, num_heads=2, num_kv_heads=1)
+    with pytest.raises(TreeFlashInputError, match="hidden_size"):
+        train_drafter(other, drafter, data, [], DrafterLossConfig(), loop(tmp_path, "x", 2))
+
+
+def test_stable_split_is_deterministic():
+    assert stable_split("json/decoder.py") == stable_split("json/decoder.py")
+    splits = [stable_split(f"pkg/module_{i}.py") for i in range(400)]
+    assert 0 < splits.count("heldout") < 60

@@ -1,0 +1,173 @@
+"""Drafter training: stage `backbone` (DFlash marginals) and stage `ar` (the AR-approximation layer).
+
+Per batch `[B, T + 1]`: the frozen target runs teacher-forced over the first `T` tokens, giving the context
+features and its next-token distributions `p`. `A` anchors per sequence each make one block
+`[x_a, MASK, ..., MASK]` (`Q` = block size) that sees context strictly before `a` and is bidirectional inside;
+blocks don't see each other. Slot k (1..Q-1) of a block predicts the token at `a + k`; its loss is
+`w_k * KL(p_{a+k} || q)` with `w_k = exp(-(k-1) / decay)`, where `q` is the marginal (stage backbone) or the
+AR-corrected distribution given the true previous token (stage ar).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+from ..validation import check_pair
+from .loop import LoopConfig, train_loop
+
+
+@dataclass
+class DrafterLossConfig:
+    """stage: "backbone" or "ar"; num_anchors: blocks per sequence; decay: slot-weight decay; ce_weight: mix of
+    cross-entropy to the data token (0 = pure KL to the verifier)."""
+
+    stage: str = "ar"
+    num_anchors: int = 16
+    decay: float = 7.0
+    ce_weight: float = 0.0
+
+
+def slot_weights(block_size: int, decay: float) -> torch.Tensor:
+    """`[Q - 1]` weights `exp(-(k - 1) / decay)` for slots k = 1..Q-1."""
+    return torch.exp(-torch.arange(block_size - 1, dtype=torch.float32) / decay)
+
+
+def block_attention_mask(anchors: torch.LongTensor, context_len: int, block_size: int, dtype) -> torch.Tensor:
+    """Additive mask `[B, 1, A*Q, T + A*Q]`: block i sees context positions < anchors[:, i] and its own slots."""
+    batch, num_anchors = anchors.shape
+    device = anchors.device
+    query_block = torch.arange(num_anchors * block_size, device=device) // block_size  # [A*Q]
+    context_ok = torch.arange(context_len, device=device)[None, None, :] < anchors[:, query_block, None]
+    same_block = query_block[:, None] == query_block[None, :]  # [A*Q, A*Q]
+    allowed = torch.cat([context_ok, same_block[None].expand(batch, -1, -1)], dim=-1)
+    mask = torch.zeros(allowed.shape, dtype=dtype, device=device).masked_fill_(~allowed, torch.finfo(dtype).min)
+    return mask[:, None]
+
+
+def sample_anchors(batch: int, seq_len: int, block_size: int, num_anchors: int, generator) -> torch.LongTensor:
+    """`[B, A]` anchor positions in `[1, T - Q]`, so every block has context and its slots stay in the sequence."""
+    high = seq_len - block_size + 1
+    if high <= 1:
+        raise ValueError(f"Sequences of {seq_len} tokens are too short for blocks of {block_size}.")
+    return torch.randint(1, high, (batch, num_anchors), generator=generator)
+
+
+def drafter_loss(
+    target,
+    drafter,
+    input_ids: torch.LongTensor,
+    loss_config: DrafterLossConfig,
+    generator: torch.Generator,
+    loss_mask: torch.Tensor | None = None,
+    stage: str | None = None,
+) -> tuple[torch.Tensor, dict]:
+    """Weighted KL to the verifier over all block slots. input_ids: `[B, T + 1]` (the last token is only a
+    label); loss_mask: `[B, T + 1]`, 1 where a predicted token counts (e.g. the response). Returns the loss and
+    metrics (`kl`, `top1` = how often the drafter's argmax is the verifier's, slot 1 and mean)."""
+    stage = stage or loss_config.stage
+    config = drafter.config
+    block = config.block_size
+    tokens = input_ids[:, :-1]  # [B, T]
+    batch, seq_len = tokens.shape
+    device = drafter.device
+    embed = target.get_input_embeddings()
+    lm_head = target.get_output_embeddings()
+    with torch.no_grad():
+        out = target(tokens, output_hidden_states=[i + 1 for i in config.target_layer_ids])
+        context = torch.cat([out.hidden_states[i + 1] for i in config.target_layer_ids], dim=-1)  # [B, T, n*H]
+        teacher_logp = torch.log_softmax(out.logits.float(), dim=-1)  # [B, T, V]: row j predicts token j + 1
+
+    anchors = sample_anchors(batch, seq_len, block, loss_config.num_anchors, generator).to(device)  # [B, A]
+    num_anchors = anchors.shape[1]
+    slot = torch.arange(block, device=device)
+    block_positions = (anchors[:, :, None] + slot).reshape(batch, -1)  # [B, A*Q]
+    block_ids = torch.full_like(block_positions, config.mask_token_id)
+    block_ids.view(batch, num_anchors, block)[:, :, 0] = tokens.gather(1, anchors)
+    with torch.no_grad():
+        noise_embeds = embed(block_ids)
+    position_ids = torch.cat([torch.arange(seq_len, device=device).expand(batch, -1), block_positions], dim=1)
+    mask = block_attention_mask(anchors, seq_len, block, noise_embeds.dtype)
+    hidden = drafter(noise_embeds=noise_embeds, context_hidden_states=context, attention_mask=mask,
+                     position_ids=position_ids).pre_norm_hidden_state
+    hidden = hidden.view(batch, num_anchors, block, -1)[:, :, 1:]  # slots 1..Q-1: [B, A, Q-1, H]
+
+    predicted_pos = (anchors[:, :, None] + slot[1:]).reshape(batch, -1)  # [B, A*(Q-1)] positions a + k
+    teacher = teacher_logp.gather(1, (predicted_pos - 1)[..., None].expand(-1, -1, teacher_logp.shape[-1]))
+    if stage == "backbone":
+        final_hidden = drafter.norm(hidden)
+    else:
+        with torch.no_grad():
+            prev_embeds = embed(tokens.gather(1, predicted_pos - 1)).view_as(hidden)
+            prev2_embeds = None
+            if config.ar_num_prev_tokens == 2:
+                prev2_embeds = embed(tokens.gather(1, predicted_pos - 2)).view_as(hidden)
+        final_hidden = drafter.ar_corrected_hidden_states(hidden, prev_embeds, prev2_embeds)
+    drafter_logp = torch.log_softmax(lm_head(final_hidden).float(), dim=-1).view(batch, -1, teacher.shape[-1])
+
+    kl = (teacher.exp() * (teacher - drafter_logp)).sum(-1)  # [B, A*(Q-1)]
+    weights = slot_weights(block, loss_config.decay).to(device).repeat(num_anchors)[None].expand(batch, -1)
+    if loss_mask is not None:
+        weights = weights * loss_mask.to(device).gather(1, predicted_pos)
+    per_slot = kl
+    if loss_config.ce_weight:
+        labels = input_ids.to(device).gather(1, predicted_pos)
+        ce = -drafter_logp.gather(-1, labels[..., None])[..., 0]
+        per_slot = (1 - loss_config.ce_weight) * kl + loss_config.ce_weight * ce
+    loss = (per_slot * weights).sum() / weights.sum().clamp_min(1e-6)
+    with torch.no_grad():
+        agree = (drafter_logp.argmax(-1) == teacher.argmax(-1)).float().view(batch, num_anchors, block - 1)
+        metrics = {"kl": float((kl * weights).sum() / weights.sum().clamp_min(1e-6)),
+                   "top1_slot1": float(agree[:, :, 0].mean()), "top1_mean": float(agree.mean()),
+                   # greedy acceptance proxy: leading slots where the drafter's argmax is the verifier's
+                   "accept_proxy": float(agree.cumprod(-1).sum(-1).mean())}
+    return loss, metrics
+
+
+def freeze_for_stage(drafter, stage: str, full_finetune: bool = False) -> None:
+    """Stage backbone trains everything but the AR layer; stage ar trains the AR layer only (or everything
+    with `full_finetune`)."""
+    for name, param in drafter.named_parameters():
+        is_ar = name.startswith("ar_approximation.")
+        param.requires_grad = (not is_ar) if stage == "backbone" else (is_ar or full_finetune)
+
+
+def train_drafter(target, drafter, train_data, heldout_batches: list, loss_config: DrafterLossConfig,
+                  config: LoopConfig, full_finetune: bool = False) -> dict:
+    """Train `drafter` for `target` (frozen). `train_data.batch(step, B)` gives `[B, T + 1]` ids or (ids, mask)."""
+    check_pair(target, drafter)
+    target.requires_grad_(False)
+    target.eval()
+    freeze_for_stage(drafter, loss_config.stage, full_finetune)
+    anchor_generator = torch.Generator()
+
+    def unpack(item):
+        return item if isinstance(item, tuple) else (item, None)
+
+    def loss_fn(step: int):
+        ids, mask = unpack(train_data.batch(step, config.batch_size))
+        anchor_generator.manual_seed(config.seed * 7919 + step)
+        loss, metrics = drafter_loss(target, drafter, ids.to(target.device), loss_config, anchor_generator, mask)
+        return loss, metrics, ids.numel()
+
+    def eval_fn():
+        totals: dict[str, float] = {}
+        eval_generator = torch.Generator().manual_seed(12345)
+        stages = ["backbone", "ar"] if loss_config.stage == "ar" else ["backbone"]
+        for stage in stages:
+            for item in heldout_batches:
+                ids, mask = unpack(item)
+                _, metrics = drafter_loss(target, drafter, ids.to(target.device), loss_config, eval_generator, mask,
+                                          stage=stage)
+                for key, value in metrics.items():
+                    name = f"{stage}_{key}"
+                    totals[name] = totals.get(name, 0.0) + value / len(heldout_batches)
+        return totals
+
+    return train_loop(drafter, loss_fn, eval_fn, config, f"drafter-{loss_config.stage}")
+
+
+__all__ = ["DrafterLossConfig", "drafter_loss", "freeze_for_stage", "slot_weights", "train_drafter",
+           "block_attention_mask", "sample_anchors"]
