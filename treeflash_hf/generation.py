@@ -8,6 +8,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import logging
+import time
 from dataclasses import dataclass, field
 
 import torch
@@ -23,6 +24,7 @@ from transformers.generation.stopping_criteria import EosTokenCriteria, MaxLengt
 from transformers.generation.utils import GenerateDecoderOnlyOutput
 
 from .accept import walk_tree
+from .budget import AutoBudget, verify_cost_curve
 from .cache import check_cache_supported, compact_cache
 from .draft import TreeFlashCandidateGenerator
 from .options import OPTION_NAMES, TreeOptions
@@ -140,6 +142,7 @@ def treeflash_decode(
     sequence = input_ids
     scores, raw_logits = [], []
     stats = TreeFlashStats()
+    auto_budget = AutoBudget(verify_cost_curve(target)) if options.tree_budget == "auto" else None
 
     def emit(token: int, token_scores: torch.Tensor, token_raw: torch.Tensor) -> bool:
         """Commit one token; True when generation must stop."""
@@ -157,12 +160,21 @@ def treeflash_decode(
     while not finished:
         remaining = generation_config.max_length - sequence.shape[1]  # tokens still allowed after the root
         past_len = cache.get_seq_length()
+        drafting_started = time.perf_counter()
         block = generator.draft(
             root_token, root_position, new_context, max_depth=remaining - 1, prev_token=int(sequence[0, -2])
         )
-        tree = generator.build_tree(block, options.tree_budget)
+        if auto_budget is None:
+            tree = generator.build_tree(block, options.tree_budget)
+        else:
+            tree = generator.build_tree(block, auto_budget.build_size())
+            if target.device.type == "cuda":
+                torch.cuda.synchronize(target.device)
+            tree, predicted = auto_budget.choose(tree, time.perf_counter() - drafting_started)
         logits, hidden_states = verify_tree(target, tree, cache, past_len, root_position, past_key_mask, layer_ids)
         accepted = walk_tree(tree, logits, sequence, logits_processor, do_sample)
+        if auto_budget is not None:
+            auto_budget.observe(predicted, len(accepted.path))
         stats.accepted_lengths.append(len(accepted.path))
         stats.tree_sizes.append(tree.size)
         stats.expected_accepted_lengths.append(tree.expected_accepted_len)

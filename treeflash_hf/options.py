@@ -11,12 +11,13 @@ OPTION_NAMES = ("tree_mode", "tree_budget", "tree_top_m", "tree_top_k")
 @dataclass(frozen=True)
 class TreeOptions:
     """tree_mode: `"chain"` (DFlash), `"marginal_tree"` (DDTree) or `"treeflash"`.
-    tree_budget: tokens the target verifies per step, **including the root** (1 = plain decoding).
+    tree_budget: tokens the target verifies per step, **including the root** (1 = plain decoding), or
+        `"auto"`: chosen per step from the target's measured verification cost on this device.
     tree_top_m: M, tokens per depth of the stage-1 top tree (each gets an AR row).
     tree_top_k: K, children kept per (depth, previous token)."""
 
     tree_mode: str = "treeflash"
-    tree_budget: int = 64
+    tree_budget: int | str = 64
     tree_top_m: int = 16
     tree_top_k: int = 16
 
@@ -25,10 +26,13 @@ class TreeOptions:
             raise ValueError(f"tree_mode={self.tree_mode!r} is not a TreeFlash mode: use one of {TREE_MODES}.")
         for name in ("tree_budget", "tree_top_m", "tree_top_k"):
             value = getattr(self, name)
+            if name == "tree_budget" and value == "auto":
+                continue
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise ValueError(
                     f"{name}={value!r} is invalid: it must be an integer >= 1"
-                    + (" (the budget counts the root, so 1 means plain decoding)." if name == "tree_budget" else ".")
+                    + (" or \"auto\" (the budget counts the root, so 1 means plain decoding)."
+                       if name == "tree_budget" else ".")
                 )
 
     @classmethod

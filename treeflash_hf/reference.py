@@ -144,7 +144,8 @@ def build(args: argparse.Namespace) -> int:
     print(f"tokens: {corpus['train_tokens']} train, {corpus['heldout_tokens']} held-out, "
           f"{corpus['bytes_per_token']:.2f} bytes/token")
 
-    def lm_stage(name: str, config: Qwen3Config, minutes: float, seq_len: int, batch: int, lr: float):
+    def lm_stage(name: str, config: Qwen3Config, minutes: float, seq_len: int, batch: int, lr: float,
+                 steps: int | None = None):
         if (out / name / "config.json").exists():
             return
         torch.manual_seed(0)
@@ -154,6 +155,10 @@ def build(args: argparse.Namespace) -> int:
         meta = run_dir / "schedule.json"
         if meta.exists():
             max_steps = json.loads(meta.read_text())["max_steps"]
+        elif steps:
+            max_steps = steps
+            run_dir.mkdir(parents=True, exist_ok=True)
+            meta.write_text(json.dumps({"max_steps": max_steps}))
         else:
             probe = Qwen3ForCausalLM(config).to(device)
             max_steps = steps_for_budget(lambda s: lm_loss(probe, train.batch(s, batch).to(device)).backward(),
@@ -177,7 +182,7 @@ def build(args: argparse.Namespace) -> int:
 
     # 2. the target
     lm_stage("target", qwen3(args.hidden, args.layers, args.heads, args.heads // 2, 3 * args.hidden),
-             args.target_minutes, args.seq_len, args.batch_size, args.lr)
+             args.target_minutes, args.seq_len, args.batch_size, args.lr, steps=args.target_steps)
 
     # 3. the drafter: backbone, then the AR layer with the backbone frozen
     from transformers import AutoModelForCausalLM
@@ -247,6 +252,7 @@ def add_parser(subparsers) -> None:
     b.add_argument("--batch-size", type=int, default=16)
     b.add_argument("--lr", type=float, default=1.5e-3)
     b.add_argument("--target-minutes", type=float, default=45)
+    b.add_argument("--target-steps", type=int, help="schedule length (default: what fits --target-minutes)")
     b.add_argument("--drafter-layers", type=int, default=2)
     b.add_argument("--block-size", type=int, default=16)
     b.add_argument("--drafter-seq-len", type=int, default=256)

@@ -36,6 +36,10 @@ class DraftTree:
     def expected_accepted_len(self) -> float:
         return float(self.path_log_probs[1:].exp().sum())
 
+    def prefix(self, n: int) -> "DraftTree":
+        """The first `n` nodes: a valid tree, since parents precede children."""
+        return DraftTree(self.tokens[:n], self.parents[:n], self.depths[:n], self.path_log_probs[:n])
+
     def children(self) -> list[dict[int, int]]:
         """Per node, `{child token: child index}` (Python ints: the acceptance walk reads these)."""
         table: list[dict[int, int]] = [{} for _ in range(self.size)]

@@ -1,0 +1,127 @@
+"""The bench's bookkeeping (τ arithmetic, identity check, JSON schema, prompt files) and the auto budget."""
+
+import json
+
+import pytest
+import torch
+
+from treeflash_hf.bench import Method, PromptFileError, load_prompts, parse_methods, plot, run_bench
+from treeflash_hf.budget import AutoBudget
+from treeflash_hf.testing import matching_drafter, random_target
+from treeflash_hf.tree import chain_tree
+
+from .conftest import randomise_ar_layer
+
+
+class ByteTokenizer:
+    """Characters as token ids (enough for the bench on a random model)."""
+
+    pad_token_id = 0
+
+    def __call__(self, text, return_tensors="pt"):
+        return {"input_ids": torch.tensor([[1 + (ord(c) % 200) for c in text]])}
+
+
+@pytest.fixture(autouse=True)
+def shared_cost_cache(tmp_path_factory, monkeypatch):
+    monkeypatch.setenv("TREEFLASH_CACHE", str(tmp_path_factory.getbasetemp() / "treeflash-cache"))
+
+
+@pytest.fixture(scope="module")
+def models():
+    torch.set_num_threads(1)
+    target = random_target("qwen3", seed=0)
+    drafter = randomise_ar_layer(matching_drafter(target, seed=1))
+    draft_lm = random_target("qwen3", num_layers=1, seed=2)
+    return target, drafter, draft_lm
+
+
+def test_bench_report_schema_tau_and_identity(models, tmp_path):
+    target, drafter, draft_lm = models
+    methods = parse_methods(["hf_assisted", "prompt_lookup", "hf_dflash", "chain", "treeflash", "auto"], [4, 8])
+    assert methods[0].label == "autoregressive"
+    report = run_bench(target, drafter, draft_lm, ByteTokenizer(), ["def f(x):", "import os\n"], methods,
+                       max_new_tokens=10, temperature=0.0, repeats=2, progress=False)
+    json.dumps(report)  # serialisable
+    results = report["results"]
+    assert set(results) == {"autoregressive", "hf_assisted", "prompt_lookup", "hf_dflash", "chain@4", "chain@8",
+                            "treeflash@4", "treeflash@8", "auto@auto"}
+    for label, row in results.items():
+        for key in ("tau", "tokens_per_s", "speedup", "accepted_len_histogram", "n_prompts", "new_tokens",
+                    "identical_to_autoregressive"):
+            assert key in row, (label, key)
+        assert row["n_prompts"] == 2 and row["new_tokens"] == 20
+        assert row["identical_to_autoregressive"] is True
+        assert row["tokens_per_s_min"] <= row["tokens_per_s"] <= row["tokens_per_s_max"]
+    ar = results["autoregressive"]
+    assert ar["tau"] == pytest.approx(1.0) and ar["speedup"] == pytest.approx(1.0)
+    for label in ("chain@4", "treeflash@8"):
+        histogram = {int(k): v for k, v in results[label]["accepted_len_histogram"].items()}
+        steps = sum(histogram.values())
+        accepted = sum(k * v for k, v in histogram.items())
+        # τ = (new tokens - 1 per prompt) / verification steps = 1 + mean accepted, when no step is cut short
+        assert results[label]["tau"] == pytest.approx((20 - 2) / steps, rel=1e-6)
+        assert results[label]["tau"] <= 1 + accepted / steps + 1e-9
+    written = plot(report, tmp_path / "plots")
+    assert all(p.exists() and p.stat().st_size > 1000 for p in written)
+
+
+def test_identity_check_catches_a_different_output(models, monkeypatch):
+    target, drafter, draft_lm = models
+    import treeflash_hf.bench as bench
+
+    original = bench.run_method
+
+    def corrupting(target, inputs, method, *args):
+        out, seconds, forwards, accepted = original(target, inputs, method, *args)
+        if method.name == "chain":
+            out = out.clone()
+            out[0, -1] = (out[0, -1] + 1) % 256
+        return out, seconds, forwards, accepted
+
+    monkeypatch.setattr(bench, "run_method", corrupting)
+    report = run_bench(target, drafter, draft_lm, ByteTokenizer(), ["abc"], [Method("autoregressive"),
+                       Method("chain", 4)], max_new_tokens=6, temperature=0.0, repeats=1, progress=False)
+    assert report["results"]["chain@4"]["identical_to_autoregressive"] is False
+    assert report["results"]["autoregressive"]["identical_to_autoregressive"] is True
+
+
+def test_prompt_files(tmp_path):
+    good = tmp_path / "p.jsonl"
+    good.write_text('{"prompt": "a"}\n\n{"prompt": "b"}\n')
+    assert load_prompts(str(good)) == ["a", "b"]
+    with pytest.raises(PromptFileError, match="does not exist"):
+        load_prompts(str(tmp_path / "missing.jsonl"))
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text('{"prompt": "a"}\n{oops\n')
+    with pytest.raises(PromptFileError, match="bad.jsonl:2: not valid JSON"):
+        load_prompts(str(bad))
+    wrong = tmp_path / "wrong.jsonl"
+    wrong.write_text('{"text": "a"}\n')
+    with pytest.raises(PromptFileError, match='string "prompt" field'):
+        load_prompts(str(wrong))
+    assert len(load_prompts("humaneval", 3)) == 3
+
+
+def test_auto_budget_follows_the_cost_curve():
+    tree = chain_tree(0, torch.arange(1, 16), torch.full((15,), -0.05))  # confident drafter: E_n ~ n - 1
+    flat = AutoBudget({1: 1.0, 16: 1.0}, explore_every=10**6)  # verification free at any size (a GPU)
+    assert flat.choose(tree, drafting_seconds=0.1)[0].size == 16
+    steep = AutoBudget({1: 1.0, 2: 10.0, 16: 200.0}, explore_every=10**6)  # every extra token very costly
+    assert steep.choose(tree, drafting_seconds=0.1)[0].size == 1
+    # calibration: a drafter that is right half as often as it claims gets half the credit
+    budget = AutoBudget({1: 1.0, 16: 2.0}, explore_every=10**6)
+    for _ in range(50):
+        budget.observe(predicted=4.0, accepted=2)
+    assert budget.calibration == pytest.approx(0.5, rel=1e-3)
+
+
+def test_auto_budget_decoding_is_lossless(models, tmp_path_factory):
+    target, drafter, _ = models
+    prompt = torch.tensor([[4, 8, 15, 16, 23, 42]])
+    reference = target.generate(prompt, max_new_tokens=20, do_sample=False)
+    out = target.generate(prompt, assistant_model=drafter, max_new_tokens=20, do_sample=False, tree_budget="auto",
+                          return_dict_in_generate=True)
+    assert torch.equal(out.sequences, reference)
+    cached = list((tmp_path_factory.getbasetemp() / "treeflash-cache").glob("verify-cost-*.json"))
+    assert cached and all(float(v) > 0 for v in json.loads(cached[0].read_text()).values())
