@@ -9,10 +9,12 @@ import sys
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="treeflash-hf", description="TreeFlash speculative decoding tools.")
     sub = parser.add_subparsers(dest="command", required=True)
-    from . import bench, demo, profile, reference
+    from . import bench, convert, demo, hub, profile, reference
 
     bench.add_parser(sub)
+    convert.add_parser(sub)
     demo.add_parser(sub)
+    hub.add_parser(sub)
     profile.add_parser(sub)
     reference.add_parser(sub)
     args = parser.parse_args(argv)

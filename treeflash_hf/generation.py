@@ -292,28 +292,36 @@ def _wants_stock_dflash(target, kwargs: dict) -> bool:
     return getattr(config, "speculation_type", None) == "dflash"
 
 
-@functools.wraps(_STOCK_GENERATE)
-def generate(self, *args, assistant_model=None, **kwargs):
-    """`GenerationMixin.generate`, routed to TreeFlash decoding when `assistant_model` is a TreeFlash drafter
-    (unless `speculation_type="dflash"` asks for transformers' own linear DFlash loop). Extra keyword arguments
-    `tree_mode`, `tree_budget`, `tree_top_m`, `tree_top_k` override the drafter's `generation_config`."""
+def route_generate(stock_generate, model, *args, assistant_model=None, **kwargs):
+    """Run `stock_generate` (transformers' `generate`), handing decoding to TreeFlash when `assistant_model` is a
+    TreeFlash drafter (unless `speculation_type="dflash"` asks for transformers' own linear DFlash loop).
+    Extra keyword arguments `tree_mode`, `tree_budget`, `tree_top_m`, `tree_top_k` override the drafter's
+    `generation_config`. Shared by the installed hook and the Hub repo's `custom_generate/generate.py`."""
     tree_overrides = {name: kwargs.pop(name) for name in OPTION_NAMES if name in kwargs}
-    if not is_treeflash_drafter(assistant_model) or _wants_stock_dflash(self, kwargs):
+    if not is_treeflash_drafter(assistant_model) or _wants_stock_dflash(model, kwargs):
         if tree_overrides:
             raise TypeError(
                 f"{sorted(tree_overrides)} apply only to TreeFlash decoding: pass a TreeFlash drafter as "
                 "`assistant_model` (and no `speculation_type='dflash'`)."
             )
-        return _STOCK_GENERATE(self, *args, assistant_model=assistant_model, **kwargs)
+        return stock_generate(model, *args, assistant_model=assistant_model, **kwargs)
     if kwargs.get("custom_generate") is not None:
         raise TypeError("`custom_generate` cannot be combined with a TreeFlash drafter as `assistant_model`.")
+    kwargs.pop("custom_generate", None)
     options = TreeOptions.resolve(assistant_model, tree_overrides)
-    check_pair(self, assistant_model)
+    check_pair(model, assistant_model)
     decoding = functools.partial(
         treeflash_decode, drafter=assistant_model, options=options, streamer=kwargs.get("streamer")
     )
-    with tree_attention_backend(self):
-        return _STOCK_GENERATE(self, *args, custom_generate=decoding, **kwargs)
+    with tree_attention_backend(model):
+        return stock_generate(model, *args, custom_generate=decoding, **kwargs)
+
+
+@functools.wraps(_STOCK_GENERATE)
+def generate(self, *args, assistant_model=None, **kwargs):
+    """`GenerationMixin.generate`, routed to TreeFlash decoding when `assistant_model` is a TreeFlash drafter
+    (see `route_generate`)."""
+    return route_generate(_STOCK_GENERATE, self, *args, assistant_model=assistant_model, **kwargs)
 
 
 def install_generate_hook() -> None:
