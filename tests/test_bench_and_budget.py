@@ -125,3 +125,35 @@ def test_auto_budget_decoding_is_lossless(models, tmp_path_factory):
     assert torch.equal(out.sequences, reference)
     cached = list((tmp_path_factory.getbasetemp() / "treeflash-cache").glob("verify-cost-*.json"))
     assert cached and all(float(v) > 0 for v in json.loads(cached[0].read_text()).values())
+
+
+def test_eval_dist_report(models):
+    from treeflash_hf.evaluate import eval_distributions
+
+    target, _, _ = models
+    fresh = matching_drafter(target, seed=4)  # zero AR layer: TreeFlash's tables are DFlash's
+    report = eval_distributions(target, fresh, [torch.tensor([[3, 9, 27, 81]])], continuation=8,
+                                anchors_per_prompt=2, samples=16)
+    assert report["depths"] == list(range(1, fresh.config.block_size))
+    assert report["dflash"]["tvd"] == report["treeflash"]["tvd"]
+    for source in ("dflash", "treeflash", "target_marginal"):
+        assert all(0.0 <= v <= 1.0 for v in report[source]["tvd"])
+        assert all(a <= b for a, b in zip(report[source]["top1"], report[source]["top5"]))
+    trained = randomise_ar_layer(matching_drafter(target, seed=4), std=0.3)
+    other = eval_distributions(target, trained, [torch.tensor([[3, 9, 27, 81]])], continuation=8,
+                               anchors_per_prompt=2, samples=16)
+    assert other["treeflash"]["tvd"] != other["dflash"]["tvd"]
+
+
+def test_ablation_variants_share_the_backbone(models):
+    from treeflash_hf.ablate import VARIANTS, variant_drafter
+
+    _, drafter, _ = models
+    base = drafter.state_dict()
+    for name, (overrides, _) in VARIANTS.items():
+        variant = variant_drafter(drafter, overrides)
+        state = variant.state_dict()
+        assert all(torch.equal(state[k], v) for k, v in base.items() if not k.startswith("ar_approximation."))
+        assert torch.count_nonzero(state["ar_approximation.d.weight"]) == 0, name
+    assert variant_drafter(drafter, {"ar_num_prev_tokens": 2}).ar_approximation.ug.in_features == 3 * 64
+    assert variant_drafter(drafter, {"ar_type": "linear"}).config.ar_type == "linear"

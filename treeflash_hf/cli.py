@@ -9,11 +9,13 @@ import sys
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="treeflash-hf", description="TreeFlash speculative decoding tools.")
     sub = parser.add_subparsers(dest="command", required=True)
-    from . import bench, convert, demo, hub, profile, reference
+    from . import ablate, bench, convert, demo, evaluate, hub, profile, reference
 
+    ablate.add_parser(sub)
     bench.add_parser(sub)
     convert.add_parser(sub)
     demo.add_parser(sub)
+    evaluate.add_parser(sub)
     hub.add_parser(sub)
     profile.add_parser(sub)
     reference.add_parser(sub)
