@@ -178,3 +178,21 @@ def test_stable_split_is_deterministic():
     assert stable_split("json/decoder.py") == stable_split("json/decoder.py")
     splits = [stable_split(f"pkg/module_{i}.py") for i in range(400)]
     assert 0 < splits.count("heldout") < 60
+
+
+def test_train_command_end_to_end(tmp_path):
+    """`treeflash-hf train` from a saved target and a token stream, then `--resume` is accepted."""
+    import numpy as np
+
+    from treeflash_hf.cli import main
+
+    target = random_target("qwen3", vocab_size=VOCAB, hidden_size=32, num_layers=3, num_heads=2, num_kv_heads=1)
+    target.save_pretrained(tmp_path / "target")
+    np.save(tmp_path / "tokens.npy", np.array([3, 17, 5, 40, 22, 9, 61, 13] * 100))
+    args = ["train", "--stage", "backbone", "--target", str(tmp_path / "target"), "--data",
+            str(tmp_path / "tokens.npy"), "--heldout", str(tmp_path / "tokens.npy"), "--out", str(tmp_path / "run"),
+            "--steps", "4", "--batch-size", "2", "--seq-len", "24", "--num-anchors", "2", "--drafter-layers", "1",
+            "--block-size", "4", "--mask-token-id", str(VOCAB - 1), "--eval-every", "2", "--device", "cpu"]
+    assert main(args) == 0
+    assert (tmp_path / "run" / "final" / "model.safetensors").exists()
+    assert main(args + ["--resume"]) == 0  # nothing left to do: resumes at the last step and saves again

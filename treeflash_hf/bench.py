@@ -295,13 +295,18 @@ def run(args: argparse.Namespace) -> int:
                        args.temperature, args.repeats)
     report["prompts"] = args.prompts
     print_table(report)
-    if args.json:
-        Path(args.json).parent.mkdir(parents=True, exist_ok=True)
-        Path(args.json).write_text(json.dumps(report, indent=2))
-    if args.plot:
-        for path in plot(report, Path(args.plot)):
-            print(f"wrote {path}")
+    write_report(report, args.json, args.plot, plot)
     return 0
+
+
+def write_report(report: dict, json_path: str | None, plot_dir: str | None, plot_fn) -> None:
+    """Write the JSON report and the PNG plots where asked."""
+    if json_path:
+        Path(json_path).parent.mkdir(parents=True, exist_ok=True)
+        Path(json_path).write_text(json.dumps(report, indent=2))
+    if plot_dir:
+        for path in plot_fn(report, Path(plot_dir)):
+            print(f"wrote {path}")
 
 
 def add_parser(subparsers) -> None:

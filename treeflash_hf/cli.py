@@ -10,6 +10,7 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="treeflash-hf", description="TreeFlash speculative decoding tools.")
     sub = parser.add_subparsers(dest="command", required=True)
     from . import ablate, bench, convert, demo, evaluate, hub, profile, reference
+    from .training import cli as train_cli
 
     ablate.add_parser(sub)
     bench.add_parser(sub)
@@ -17,6 +18,7 @@ def main(argv: list[str] | None = None) -> int:
     demo.add_parser(sub)
     evaluate.add_parser(sub)
     hub.add_parser(sub)
+    train_cli.add_parser(sub)
     profile.add_parser(sub)
     reference.add_parser(sub)
     args = parser.parse_args(argv)

@@ -12,7 +12,6 @@ Metrics: total variation distance, and top-k coverage (k = 1, 5) of the greedy t
 from __future__ import annotations
 
 import argparse
-import json
 from pathlib import Path
 
 import torch
@@ -112,7 +111,7 @@ def plot(report: dict, out_dir: Path) -> list[Path]:
 
 def run(args: argparse.Namespace) -> int:
     from . import reference
-    from .bench import load_prompts
+    from .bench import load_prompts, write_report
 
     torch.set_num_threads(args.threads)
     target, drafter, tokenizer = reference.load(args.models)
@@ -123,12 +122,7 @@ def run(args: argparse.Namespace) -> int:
     for i, d in enumerate(report["depths"]):
         print(f"{d:5d} " + " ".join(f"{report[s]['tvd'][i]:20.3f}" for s in SOURCES)
               + f"   {report['treeflash']['top1'][i]:.2f} / {report['dflash']['top5'][i]:.2f}")
-    if args.json:
-        Path(args.json).parent.mkdir(parents=True, exist_ok=True)
-        Path(args.json).write_text(json.dumps(report, indent=2))
-    if args.plot:
-        for path in plot(report, Path(args.plot)):
-            print(f"wrote {path}")
+    write_report(report, args.json, args.plot, plot)
     return 0
 
 

@@ -36,7 +36,7 @@ from .validation import (
     check_pair,
     is_treeflash_drafter,
 )
-from .verify import verify_tree
+from .verify import run_target, verify_tree
 
 logger = logging.getLogger(__name__)
 
@@ -124,15 +124,7 @@ def treeflash_decode(
         position_ids = torch.arange(input_ids.shape[1], device=input_ids.device)[None]
 
     # Prefill: the target runs on the prompt; its next token is the first root.
-    out = target(
-        input_ids=input_ids,
-        attention_mask=attention_mask,
-        position_ids=position_ids,
-        cache=cache,
-        use_cache=True,
-        output_hidden_states=[i + 1 for i in layer_ids],
-        logits_to_keep=1,
-    )
+    out = run_target(target, input_ids, position_ids, attention_mask, cache, layer_ids, logits_to_keep=1)
     new_context = generator.context_features(out.hidden_states, slice(None))  # [1, S, n*H]
     raw = out.logits[:, -1].float()
     processed = logits_processor(input_ids, raw.clone()) if len(logits_processor) else raw

@@ -47,13 +47,19 @@ def verify_tree(
     tokens = tree.tokens.to(device)[None]  # [1, N]
     position_ids = (root_position + tree.depths.to(device))[None]  # [1, N]
     mask = tree_attention_mask(tree, past_key_mask, past_len, target.dtype).to(device)
-    out = target(
-        input_ids=tokens,
+    out = run_target(target, tokens, position_ids, mask, cache, target_layer_ids, logits_to_keep=0)
+    return out.logits[0].float(), out.hidden_states
+
+
+def run_target(target, input_ids, position_ids, attention_mask, cache, target_layer_ids: list[int],
+               logits_to_keep: int):
+    """One cached target forward that also returns the context layers' hidden states (prefill and verify)."""
+    return target(
+        input_ids=input_ids,
         position_ids=position_ids,
-        attention_mask=mask,
+        attention_mask=attention_mask,
         cache=cache,
         use_cache=True,
         output_hidden_states=[i + 1 for i in target_layer_ids],
-        logits_to_keep=0,
+        logits_to_keep=logits_to_keep,
     )
-    return out.logits[0].float(), out.hidden_states
