@@ -15,6 +15,13 @@ import torch
 from .tree import DraftTree
 
 
+def choose_token(processed_logits: torch.Tensor, do_sample: bool) -> int:
+    """The target's own next token from processed logits `[1, V]`: a sample, or the argmax."""
+    if do_sample:
+        return int(torch.multinomial(torch.softmax(processed_logits, dim=-1), 1))
+    return int(processed_logits.argmax(dim=-1))
+
+
 @dataclass
 class Acceptance:
     """path: indices of the accepted nodes below the root, in order; tokens: the emitted tokens (the accepted
@@ -52,10 +59,7 @@ def walk_tree(
             processed, token = node_logits, greedy_choice[node]
         else:
             processed = logits_processor(sequence, node_logits.clone()) if has_processors else node_logits
-            if do_sample:
-                token = int(torch.multinomial(torch.softmax(processed, dim=-1), 1))
-            else:
-                token = int(processed.argmax(dim=-1))
+            token = choose_token(processed, do_sample)
         tokens.append(token)
         visited.append(node)
         scores.append(processed)

@@ -23,7 +23,7 @@ from transformers.generation.logits_process import (
 from transformers.generation.stopping_criteria import EosTokenCriteria, MaxLengthCriteria, StoppingCriteriaList
 from transformers.generation.utils import GenerateDecoderOnlyOutput
 
-from .accept import walk_tree
+from .accept import choose_token, walk_tree
 from .budget import AutoBudget, verify_cost_curve
 from .cache import check_cache_supported, compact_cache
 from .draft import TreeFlashCandidateGenerator
@@ -67,13 +67,6 @@ class TreeFlashGenerateOutput(GenerateDecoderOnlyOutput):
     tree_sizes: list[int] | None = None
     expected_accepted_lengths: list[float] | None = None
     tau: float | None = None
-
-
-def _choose(processed_logits: torch.Tensor, do_sample: bool) -> torch.LongTensor:
-    """`[1, V]` -> `[1]` the target's own next token."""
-    if do_sample:
-        return torch.multinomial(torch.softmax(processed_logits, dim=-1), 1)[:, 0]
-    return processed_logits.argmax(dim=-1)
 
 
 @torch.no_grad()
@@ -128,7 +121,7 @@ def treeflash_decode(
     new_context = generator.context_features(out.hidden_states, slice(None))  # [1, S, n*H]
     raw = out.logits[:, -1].float()
     processed = logits_processor(input_ids, raw.clone()) if len(logits_processor) else raw
-    root_token = int(_choose(processed, do_sample))
+    root_token = choose_token(processed, do_sample)
     root_position = int(position_ids[0, -1]) + 1
 
     sequence = input_ids

@@ -92,11 +92,28 @@ def encode(tokenizer, texts: list[str]) -> np.ndarray:
     return np.asarray(ids, dtype=np.int64)
 
 
-def save_model(model, out_dir: Path, summary: dict, half: bool) -> None:
+def save_model(model, out_dir: Path, summary: dict, half: bool, description: str) -> None:
+    """Save weights (fp16 on disk when `half`), the training summary and a README for the folder."""
     model = model.to(torch.float16) if half else model
     model.save_pretrained(out_dir)
     (out_dir / "training_summary.json").write_text(json.dumps(summary, indent=2))
     model.to(torch.float32)
+    write_readme(out_dir, description, summary, sum(p.numel() for p in model.parameters()))
+
+
+def write_readme(out_dir: Path, description: str, summary: dict, params: int) -> None:
+    stages = summary if all(isinstance(v, dict) and "curve" in v for v in summary.values()) else {"": summary}
+    lines = [f"# {out_dir.name}", "", description, "", f"Parameters: {params / 1e6:.2f}M. Weights are stored in "
+             "float16; `treeflash_hf.reference.load()` loads them as float32.", "",
+             "Trained by `treeflash-hf reference build` (see the package README); figures from "
+             "`training_summary.json`:", ""]
+    for stage, info in stages.items():
+        evals = [row for row in info["curve"] if any(k.startswith("eval_") for k in row)]
+        final = {k: round(v, 4) for k, v in (evals[-1] if evals else {}).items() if k.startswith("eval_")}
+        name = f"stage `{stage}`: " if stage else ""
+        lines.append(f"- {name}{info['steps']} steps, {info['tokens']:,} tokens, {info['minutes']:.1f} min on "
+                     f"{info.get('device', 'cpu')}; final held-out {final}")
+    (out_dir / "README.md").write_text("\n".join(lines) + "\n")
 
 
 def steps_for_budget(step_fn, minutes: float, probe_steps: int = 3) -> int:
@@ -170,8 +187,16 @@ def build(args: argparse.Namespace) -> int:
                           save_every=max(50, max_steps // 10), resume=True)
         summary = train_lm(model, train, heldout, loop, corpus["bytes_per_token"], description=name)
         summary["loop"] = loop.__dict__
+        summary["device"] = str(device)
         summary["params"] = sum(p.numel() for p in model.parameters())
-        save_model(model, out / name, summary, half=args.half)
+        save_model(model, out / name, summary, half=args.half, description=descriptions[name])
+
+    descriptions = {
+        "target": "The reference target: a small Qwen3-architecture causal LM trained from scratch on the Python "
+                  "standard library (train split; files split by a stable hash of their path).",
+        "draft_lm": "A small autoregressive draft LM sharing the target's tokenizer: the baseline stock assisted "
+                    "generation (`assistant_model=draft_lm`) needs.",
+    }
 
     def qwen3(hidden: int, layers: int, heads: int, kv_heads: int, intermediate: int) -> Qwen3Config:
         return Qwen3Config(vocab_size=vocab, hidden_size=hidden, intermediate_size=intermediate,
@@ -224,10 +249,13 @@ def build(args: argparse.Namespace) -> int:
                               save_every=max(25, max_steps // 8), resume=True)
             summary = train_drafter(target, drafter, train, heldout, loss_config, loop)
             summary["loop"] = loop.__dict__
+            summary["device"] = str(device)
             summaries[stage] = summary
         for param in drafter.parameters():
             param.requires_grad = True
-        save_model(drafter, out / "drafter", summaries, half=args.half)
+        save_model(drafter, out / "drafter", summaries, half=args.half,
+                   description="The TreeFlash drafter of the reference target: DFlash backbone (stage `backbone`, "
+                               "KL to the target's marginals) plus the SwiGLU AR layer (stage `ar`, backbone frozen).")
 
     # 4. the small autoregressive draft LM for stock assisted generation
     lm_stage("draft_lm", qwen3(args.hidden // 2, 2, 2, 1, 3 * args.hidden // 2), args.draft_lm_minutes,
