@@ -178,6 +178,13 @@ class TreeFlashCandidateGenerator(CandidateGenerator):
             )
             return best_first_tree(block.anchor_token, children_of, budget, max_depth)
         lazy = LazyARChildren(self, block)
+        # Guess which nodes the search will expand by running it on the marginals (a stand-in for the AR rows,
+        # cheap), compute those rows in one call, then search for real; rows it missed are computed on demand.
+        marginal = block.marginal_log_probs[:max_depth].topk(self.options.tree_top_k, dim=-1)
+        stand_in = table_children(marginal.indices, marginal.values,
+                                  lambda depth, token: depth if lazy.has_children(depth, token) else -1)
+        guess = best_first_tree(block.anchor_token, stand_in, budget, max_depth)
+        lazy.prefetch(list(zip(guess.depths.tolist(), guess.tokens.tolist())))
         return best_first_tree(block.anchor_token, lazy.children_of, budget, max_depth, lazy.prefetch,
                                prefetch_size=self.ar_prefetch)
 

@@ -146,13 +146,13 @@ def treeflash_decode(
         remaining = generation_config.max_length - sequence.shape[1]  # tokens still allowed after the root
         past_len = cache.get_seq_length()
         drafting_started = time.perf_counter()
+        budget = options.tree_budget if auto_budget is None else auto_budget.build_size()
         block = generator.draft(
-            root_token, root_position, new_context, max_depth=remaining - 1, prev_token=int(sequence[0, -2])
+            root_token, root_position, new_context, max_depth=min(remaining, budget) - 1,
+            prev_token=int(sequence[0, -2]),
         )
-        if auto_budget is None:
-            tree = generator.build_tree(block, options.tree_budget)
-        else:
-            tree = generator.build_tree(block, auto_budget.build_size())
+        tree = generator.build_tree(block, budget)
+        if auto_budget is not None:
             if target.device.type == "cuda":
                 torch.cuda.synchronize(target.device)
             tree, predicted = auto_budget.choose(tree, time.perf_counter() - drafting_started)
