@@ -22,6 +22,8 @@ from transformers.generation import GenerationMixin
 
 TREE_MODES = ("chain", "marginal_tree", "treeflash")
 BASELINES = ("autoregressive", "hf_assisted", "prompt_lookup", "hf_dflash")
+BASELINE_STYLES = {"autoregressive": ("black", ":"), "hf_assisted": ("tab:purple", "--"),
+                   "prompt_lookup": ("tab:brown", "--"), "hf_dflash": ("tab:gray", "-."), "auto": ("tab:red", "-")}
 
 
 class PromptFileError(ValueError):
@@ -237,8 +239,9 @@ def plot(report: dict, out_dir: Path) -> list[Path]:
             if points:
                 ax.plot(*zip(*points), marker="o", label=mode)
         for r in rows:
-            if r["method"] in BASELINES + ("auto",) and r["method"] != "autoregressive" and key in r:
-                ax.axhline(r[key], linestyle="--", linewidth=1, label=r["method"], color=None)
+            if r["method"] in BASELINE_STYLES and key in r:
+                color, style = BASELINE_STYLES[r["method"]]
+                ax.axhline(r[key], linestyle=style, linewidth=1.2, label=r["method"], color=color)
         ax.set_xscale("log", base=2)
         ax.set_xlabel("tree budget (tokens verified per step, root included)")
         ax.set_ylabel(ylabel)
