@@ -60,3 +60,15 @@ def test_reference_drafter_publishes_and_loads_without_the_package(suite, tmp_pa
     card = (folder / "README.md").read_text()
     assert "local/reference-target" in card and "stage `ar`" in card
     assert json.loads((folder / "config.json").read_text())["model_type"] == "treeflash_drafter"
+
+
+def test_bundled_remote_code_is_the_package_source():
+    """save_pretrained copied the model files next to the bundled weights; they must not drift from modeling/."""
+    from pathlib import Path
+
+    import treeflash_hf.modeling.modeling_treeflash_drafter as source
+
+    source_dir = Path(source.__file__).parent
+    for name in ("modeling_treeflash_drafter.py", "configuration_treeflash_drafter.py"):
+        bundled = reference.BUNDLED_DIR / "drafter" / name
+        assert bundled.read_text() == (source_dir / name).read_text(), f"re-save the bundled drafter: {name} drifted"
