@@ -96,6 +96,18 @@ class AutoBudget:
         self.steps = 0
         self.predicted_total = 0.0
         self.observed_total = 0.0
+        # Drafting time = fixed + per_node * nodes built (the tree stage grows with the size), fitted online by
+        # least squares over exponentially weighted (built size, seconds) pairs.
+        self.fit = torch.zeros(5, dtype=torch.float64)  # sums of w, x, y, x*x, x*y
+
+    def drafting_cost(self, sizes: torch.Tensor) -> torch.Tensor:
+        w, x, y, xx, xy = self.fit.tolist()
+        if w == 0:
+            return torch.zeros(sizes.shape)
+        variance = xx / w - (x / w) ** 2
+        slope = max(0.0, (xy / w - (x / w) * (y / w)) / variance) if variance > 1e-9 else 0.0
+        intercept = y / w - slope * x / w
+        return (intercept + slope * sizes.double()).float()
 
     @staticmethod
     def _interpolate(costs, sizes, n):
@@ -107,20 +119,25 @@ class AutoBudget:
         return costs[lower] * (1 - weight) + costs[upper] * weight
 
     def choose(self, tree: DraftTree, drafting_seconds: float) -> tuple[DraftTree, float]:
-        """The best prefix of `tree` (in node order) and its predicted accepted tokens."""
+        """The best prefix of `tree` (in node order) and its predicted accepted tokens. `drafting_seconds` is what
+        drafting this tree (of `tree.size` nodes) took; it feeds the drafting-cost model."""
+        size = float(tree.size)
+        self.fit.mul_(self.smoothing).add_(torch.tensor([1.0, size, drafting_seconds, size * size,
+                                                         size * drafting_seconds], dtype=torch.float64))
         n_max = min(tree.size, self.max_size)
         expected = torch.cat([torch.zeros(1), tree.path_log_probs[1:n_max].exp().cumsum(0)])  # E_n, n = 1..n_max
         self.steps += 1
         if self.steps % self.explore_every == 0:
             return tree.prefix(n_max), float(expected[-1])
-        rate = (1 + self.calibration * expected) / (self.cost[:n_max] + drafting_seconds)
+        sizes = torch.arange(1, n_max + 1)
+        rate = (1 + self.calibration * expected) / (self.cost[:n_max] + self.drafting_cost(sizes))
         best = int(rate.argmax()) + 1
         self.last_best = best
         return tree.prefix(best), float(expected[best - 1])
 
     def build_size(self) -> int:
         """How big a tree to build before choosing its prefix: room to grow past the last choice."""
-        return min(self.max_size, max(16, 2 * self.last_best))
+        return min(self.max_size, max(4, self.last_best + max(2, self.last_best // 2)))
 
     def observe(self, predicted: float, accepted: int) -> None:
         self.predicted_total = self.smoothing * self.predicted_total + predicted
