@@ -116,13 +116,23 @@ def write_readme(out_dir: Path, description: str, summary: dict, params: int) ->
     (out_dir / "README.md").write_text("\n".join(lines) + "\n")
 
 
-def steps_for_budget(step_fn, minutes: float, probe_steps: int = 3) -> int:
-    """Schedule length that fits `minutes`, from the time of a few probe steps (run on a throwaway copy)."""
-    start = time.time()
-    for step in range(probe_steps):
-        step_fn(step)
-    per_step = (time.time() - start) / probe_steps
-    return max(10, int(minutes * 60 / per_step))
+def schedule_length(run_dir: Path, minutes: float, probe_step, fixed_steps: int | None = None,
+                    probe_steps: int = 3) -> int:
+    """The stage's schedule length, fixed once and kept in `run_dir/schedule.json` so a resumed run keeps it:
+    `fixed_steps` when given, else what fits `minutes` from the time of a few `probe_step(step)` calls."""
+    record = run_dir / "schedule.json"
+    if record.exists():
+        return json.loads(record.read_text())["max_steps"]
+    if fixed_steps:
+        max_steps = fixed_steps
+    else:
+        start = time.time()
+        for step in range(probe_steps):
+            probe_step(step)
+        max_steps = max(10, int(minutes * 60 / ((time.time() - start) / probe_steps)))
+    run_dir.mkdir(parents=True, exist_ok=True)
+    record.write_text(json.dumps({"max_steps": max_steps}))
+    return max_steps
 
 
 def build(args: argparse.Namespace) -> int:
@@ -169,19 +179,9 @@ def build(args: argparse.Namespace) -> int:
         model = Qwen3ForCausalLM(config).to(device)
         train, heldout = TokenStream(train_ids, seq_len, seed=1), TokenStream(heldout_ids, seq_len, seed=2)
         run_dir = work / f"run-{name}"
-        meta = run_dir / "schedule.json"
-        if meta.exists():
-            max_steps = json.loads(meta.read_text())["max_steps"]
-        elif steps:
-            max_steps = steps
-            run_dir.mkdir(parents=True, exist_ok=True)
-            meta.write_text(json.dumps({"max_steps": max_steps}))
-        else:
-            probe = Qwen3ForCausalLM(config).to(device)
-            max_steps = steps_for_budget(lambda s: lm_loss(probe, train.batch(s, batch).to(device)).backward(),
-                                         minutes)
-            run_dir.mkdir(parents=True, exist_ok=True)
-            meta.write_text(json.dumps({"max_steps": max_steps}))
+        probe = Qwen3ForCausalLM(config).to(device)  # a throwaway copy times the steps
+        max_steps = schedule_length(
+            run_dir, minutes, lambda s: lm_loss(probe, train.batch(s, batch).to(device)).backward(), steps)
         loop = LoopConfig(run_dir=str(run_dir), max_steps=max_steps, max_minutes=minutes * 1.15, batch_size=batch,
                           lr=lr, warmup_steps=min(100, max_steps // 10), eval_every=max(50, max_steps // 10),
                           save_every=max(50, max_steps // 10), resume=True)
@@ -231,18 +231,13 @@ def build(args: argparse.Namespace) -> int:
         for stage, minutes in (("backbone", args.backbone_minutes), ("ar", args.ar_minutes)):
             loss_config = DrafterLossConfig(stage=stage, num_anchors=args.num_anchors)
             run_dir = work / f"run-drafter-{stage}"
-            meta = run_dir / "schedule.json"
             freeze_for_stage(drafter, stage)
-            if meta.exists():
-                max_steps = json.loads(meta.read_text())["max_steps"]
-            else:
-                generator = torch.Generator().manual_seed(0)
-                max_steps = steps_for_budget(
-                    lambda s: drafter_loss(target, drafter, train.batch(s, args.drafter_batch_size).to(device),
-                                           loss_config, generator)[0].backward(), minutes)
-                drafter.zero_grad(set_to_none=True)
-                run_dir.mkdir(parents=True, exist_ok=True)
-                meta.write_text(json.dumps({"max_steps": max_steps}))
+            generator = torch.Generator().manual_seed(0)
+            max_steps = schedule_length(  # probe steps only accumulate gradients, which are dropped
+                run_dir, minutes,
+                lambda s: drafter_loss(target, drafter, train.batch(s, args.drafter_batch_size).to(device),
+                                       loss_config, generator)[0].backward())
+            drafter.zero_grad(set_to_none=True)
             loop = LoopConfig(run_dir=str(run_dir), max_steps=max_steps, max_minutes=minutes * 1.15,
                               batch_size=args.drafter_batch_size, lr=args.drafter_lr,
                               warmup_steps=min(50, max_steps // 10), eval_every=max(25, max_steps // 8),
