@@ -61,6 +61,9 @@ class TreeFlashDrafterConfig(PreTrainedConfig):
         tree_top_m (`int`): M, tokens kept per depth in the stage-1 top tree (each gets an AR row).
         tree_top_k (`int`): K, children kept per (depth, previous token) in the stage-2 tables.
             (Named `tree_top_k`, not `top_k`, because `top_k` is a sampling setting of `GenerationConfig`.)
+        tree_lookup (`int`): length of the lookup branch (the tokens that followed the last earlier occurrence of
+            the sequence's ending) added to the tree; steps where it alone is worth verifying skip the drafter.
+            0 turns it off. Tree modes only.
     """
 
     model_type = "treeflash_drafter"
@@ -92,6 +95,7 @@ class TreeFlashDrafterConfig(PreTrainedConfig):
         tree_budget: int | str = 64,
         tree_top_m: int = 16,
         tree_top_k: int = 16,
+        tree_lookup: int = 10,
         **kwargs,
     ):
         self.vocab_size = vocab_size
@@ -121,6 +125,7 @@ class TreeFlashDrafterConfig(PreTrainedConfig):
         self.tree_budget = tree_budget
         self.tree_top_m = tree_top_m
         self.tree_top_k = tree_top_k
+        self.tree_lookup = tree_lookup
         # Read by transformers' cache classes (the drafter keeps a DFlash-style K/V cache).
         self.layer_types = ["full_attention"] * num_hidden_layers
         self.sliding_window = None
@@ -147,6 +152,8 @@ class TreeFlashDrafterConfig(PreTrainedConfig):
             problems.append(f"ar_num_prev_tokens must be 1 or 2 (got {self.ar_num_prev_tokens})")
         if self.tree_mode not in TREE_MODES:
             problems.append(f"tree_mode must be one of {TREE_MODES} (got {self.tree_mode!r})")
+        if not isinstance(self.tree_lookup, int) or self.tree_lookup < 0:
+            problems.append(f"tree_lookup must be an integer >= 0 (got {self.tree_lookup!r})")
         if self.num_attention_heads % self.num_key_value_heads:
             problems.append("num_attention_heads must be a multiple of num_key_value_heads")
         if problems:

@@ -35,11 +35,9 @@ class TreeFlashRMSNorm(nn.Module):
         self.variance_epsilon = eps
 
     def forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
-        input_dtype = hidden_states.dtype
-        hidden_states = hidden_states.to(torch.float32)
-        variance = hidden_states.pow(2).mean(-1, keepdim=True)
-        hidden_states = hidden_states * torch.rsqrt(variance + self.variance_epsilon)
-        return self.weight * hidden_states.to(input_dtype)
+        # x * rsqrt(mean(x^2) + eps) in float32, one fused op (the drafter runs this ~10 times per decode step)
+        normed = F.rms_norm(hidden_states.float(), hidden_states.shape[-1:], eps=self.variance_epsilon)
+        return self.weight * normed.to(hidden_states.dtype)
 
 
 def rotate_half(x: torch.Tensor) -> torch.Tensor:
@@ -106,10 +104,6 @@ class TreeFlashAttention(nn.Module):
         if cache is not None:
             key, value = cache.update(key, value, self.layer_idx)  # [B, kv_heads, past+C+Q, head_dim]
 
-        groups = self.num_heads // self.num_kv_heads
-        if groups > 1:
-            key = key.repeat_interleave(groups, dim=1)
-            value = value.repeat_interleave(groups, dim=1)
         attn = F.scaled_dot_product_attention(
             query,
             key,
@@ -117,6 +111,7 @@ class TreeFlashAttention(nn.Module):
             attn_mask=attention_mask,
             dropout_p=self.attention_dropout if self.training else 0.0,
             scale=self.scaling,
+            enable_gqa=self.num_heads != self.num_kv_heads,
         )  # [B, heads, Q, head_dim]
         return self.o_proj(attn.transpose(1, 2).reshape(batch, q_len, -1))
 
@@ -237,6 +232,7 @@ class TreeFlashDrafterModel(TreeFlashDrafterPreTrainedModel):
             tree_budget=config.tree_budget,
             tree_top_m=config.tree_top_m,
             tree_top_k=config.tree_top_k,
+            tree_lookup=config.tree_lookup,
         )
         self.post_init()
 

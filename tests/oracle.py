@@ -52,6 +52,7 @@ class OracleCandidateGenerator(TreeFlashCandidateGenerator):
             else:
                 log_probs[d] = self._place(log_probs[d], token, self.ranks[d])
         block.marginal_log_probs = log_probs
+        block.shortlist = self.shortlist(log_probs)
         return block
 
     def ar_children(self, block: BlockDraft, parent_depths, parent_tokens):

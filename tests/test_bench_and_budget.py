@@ -38,14 +38,16 @@ def models():
 
 def test_bench_report_schema_tau_and_identity(models, tmp_path):
     target, drafter, draft_lm = models
-    methods = parse_methods(["hf_assisted", "prompt_lookup", "hf_dflash", "chain", "treeflash", "auto"], [4, 8])
+    methods = parse_methods(["hf_assisted", "prompt_lookup", "hf_dflash", "chain", "treeflash", "auto",
+                             "treeflash+lookup", "auto+lookup"], [4, 8])
     assert methods[0].label == "autoregressive"
     report = run_bench(target, drafter, draft_lm, ByteTokenizer(), ["def f(x):", "import os\n"], methods,
                        max_new_tokens=10, temperature=0.0, repeats=2, progress=False)
     json.dumps(report)  # serialisable
     results = report["results"]
     assert set(results) == {"autoregressive", "hf_assisted", "prompt_lookup", "hf_dflash", "chain@4", "chain@8",
-                            "treeflash@4", "treeflash@8", "auto@auto"}
+                            "treeflash@4", "treeflash@8", "auto@auto", "treeflash+lookup@4", "treeflash+lookup@8",
+                            "auto+lookup@auto"}
     for label, row in results.items():
         for key in ("tau", "tokens_per_s", "speedup", "accepted_len_histogram", "n_prompts", "new_tokens",
                     "identical_to_autoregressive"):
@@ -64,6 +66,16 @@ def test_bench_report_schema_tau_and_identity(models, tmp_path):
         assert results[label]["tau"] <= 1 + accepted / steps + 1e-9
     written = plot(report, tmp_path / "plots")
     assert all(p.exists() and p.stat().st_size > 1000 for p in written)
+
+
+def test_lookup_methods_pass_the_lookup_length_and_chain_has_none():
+    from treeflash_hf.bench import LOOKUP_LENGTH, generate_kwargs
+
+    with_lookup, without = parse_methods(["treeflash+lookup", "treeflash"], [8])[1:]
+    assert generate_kwargs(with_lookup, "drafter", None)["tree_lookup"] == LOOKUP_LENGTH
+    assert generate_kwargs(without, "drafter", None)["tree_lookup"] == 0
+    with pytest.raises(SystemExit, match="chain\\+lookup"):
+        parse_methods(["chain+lookup"], [8])
 
 
 def test_identity_check_catches_a_different_output(models, monkeypatch):

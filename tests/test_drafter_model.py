@@ -16,8 +16,10 @@ from treeflash_hf.testing import matching_drafter, random_target
 from .conftest import randomise_ar_layer
 
 
-def draft_once(target, drafter, prompt, options):
+def draft_once(target, drafter, prompt, options, **generator_attributes):
     generator = TreeFlashCandidateGenerator(drafter, target, options)
+    for name, value in generator_attributes.items():
+        setattr(generator, name, value)
     with torch.no_grad():
         out = target(prompt, output_hidden_states=True)
     context = generator.context_features(out.hidden_states, slice(None))
@@ -29,15 +31,19 @@ def test_fresh_drafter_ar_tables_are_the_marginal_tables(qwen3_pair):
     target, drafter = qwen3_pair
     assert torch.count_nonzero(drafter.ar_approximation.d.weight) == 0
     options = TreeOptions(tree_mode="treeflash", tree_budget=16, tree_top_m=4, tree_top_k=5)
-    generator, block = draft_once(target, drafter, torch.tensor([[3, 1, 4, 1, 5, 9, 2]]), options)
-    child_tokens, child_log_probs, row_of = generator.ar_tables(block)
-    marginal_top = block.marginal_log_probs.topk(5, dim=-1)
-    assert torch.equal(child_tokens[0], marginal_top.indices[0])
-    assert torch.equal(child_log_probs[0], marginal_top.values[0])
-    for depth, rows in enumerate(row_of, start=1):
-        for row in rows.values():
-            assert torch.equal(child_tokens[row], marginal_top.indices[depth])
-            assert torch.equal(child_log_probs[row], marginal_top.values[depth])
+    # Full-vocabulary rows and shortlisted rows (the shortlist carries the marginal's mass) alike.
+    for shortlist in (None, 12):
+        generator, block = draft_once(target, drafter, torch.tensor([[3, 1, 4, 1, 5, 9, 2]]), options,
+                                      ar_shortlist=shortlist)
+        assert (block.shortlist is None) == (shortlist is None)
+        child_tokens, child_log_probs, row_of = generator.ar_tables(block)
+        marginal_top = block.marginal_log_probs.topk(5, dim=-1)
+        assert torch.equal(child_tokens[0], marginal_top.indices[0])
+        torch.testing.assert_close(child_log_probs[0], marginal_top.values[0])
+        for depth, rows in enumerate(row_of, start=1):
+            for row in rows.values():
+                assert torch.equal(child_tokens[row], marginal_top.indices[depth])
+                torch.testing.assert_close(child_log_probs[row], marginal_top.values[depth])
 
 
 def test_lazy_and_batched_stage_two_build_the_same_tree(qwen3_pair):

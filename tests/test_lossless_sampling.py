@@ -15,6 +15,7 @@ import torch
 from scipy.stats import chisquare
 
 from treeflash_hf import treeflash_generate
+from treeflash_hf.lookup import LookupScheduler
 from treeflash_hf.testing import matching_drafter, random_target
 from transformers.generation.logits_process import LogitsProcessorList, TemperatureLogitsWarper, TopPLogitsWarper
 
@@ -71,10 +72,17 @@ def chi_square_p(counts: dict, expected_probs: dict, total: int) -> float:
 
 
 @pytest.mark.parametrize(
-    "mode,budget", [("treeflash", 4), ("treeflash", 16), ("marginal_tree", 3), ("chain", 4)]
+    "mode,budget,lookup",
+    [("treeflash", 4, 0), ("treeflash", 16, 0), ("marginal_tree", 3, 0), ("chain", 4, 0),
+     ("treeflash", 4, 3), ("treeflash", 4, "only")],
 )
-def test_speculative_sampling_matches_target_distribution(peaked_pair, mode, budget):
+def test_speculative_sampling_matches_target_distribution(peaked_pair, mode, budget, lookup, monkeypatch):
+    """lookup: length of the lookup branch in the tree, or "only": every step with a match verifies the lookup
+    branch alone (the drafter is skipped)."""
     target, drafter = peaked_pair
+    if lookup == "only":
+        monkeypatch.setattr(LookupScheduler, "lookup_only", lambda self, ngram, length: length > 0)
+        lookup = 3
     prompt = torch.tensor([[1, 4, 2]])
     expected = exact_joint(target, prompt, TEMPERATURE)
     torch.manual_seed(1234)
@@ -83,7 +91,7 @@ def test_speculative_sampling_matches_target_distribution(peaked_pair, mode, bud
     for _ in range(SAMPLES):
         out = treeflash_generate(
             target, drafter, prompt, max_new_tokens=NEW_TOKENS, do_sample=True, temperature=TEMPERATURE,
-            top_p=TOP_P, tree_mode=mode, tree_budget=budget, tree_top_m=VOCAB, tree_top_k=VOCAB,
+            top_p=TOP_P, tree_mode=mode, tree_budget=budget, tree_top_m=VOCAB, tree_top_k=VOCAB, tree_lookup=lookup,
         )
         outcome = tuple(out.sequences[0, prompt.shape[1]:].tolist())
         counts[outcome] = counts.get(outcome, 0) + 1

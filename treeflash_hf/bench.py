@@ -22,8 +22,12 @@ from transformers.generation import GenerationMixin
 
 TREE_MODES = ("chain", "marginal_tree", "treeflash")
 BASELINES = ("autoregressive", "hf_assisted", "prompt_lookup", "hf_dflash")
+# "<mode>+lookup": the same mode with the lookup branch (`tree_lookup=LOOKUP_LENGTH`, see lookup.py).
+LOOKUP_SUFFIX, LOOKUP_LENGTH = "+lookup", 10
+LOOKUP_MODES = ("treeflash+lookup", "auto+lookup")
 BASELINE_STYLES = {"autoregressive": ("black", ":"), "hf_assisted": ("tab:purple", "--"),
-                   "prompt_lookup": ("tab:brown", "--"), "hf_dflash": ("tab:gray", "-."), "auto": ("tab:red", "-")}
+                   "prompt_lookup": ("tab:brown", "--"), "hf_dflash": ("tab:gray", "-."), "auto": ("tab:red", "-"),
+                   "auto+lookup": ("tab:orange", "-")}
 
 
 class PromptFileError(ValueError):
@@ -129,8 +133,10 @@ def generate_kwargs(method: Method, drafter, draft_lm) -> dict:
         return {"prompt_lookup_num_tokens": 10}
     if method.name == "hf_dflash":
         return {"assistant_model": drafter, "speculation_type": "dflash"}
-    return {"assistant_model": drafter, "tree_mode": method.name if method.name != "auto" else "treeflash",
-            "tree_budget": method.budget, "return_dict_in_generate": True}
+    mode = method.name.removesuffix(LOOKUP_SUFFIX)
+    lookup = LOOKUP_LENGTH if method.name.endswith(LOOKUP_SUFFIX) else 0
+    return {"assistant_model": drafter, "tree_mode": mode if mode != "auto" else "treeflash",
+            "tree_budget": method.budget, "tree_lookup": lookup, "return_dict_in_generate": True}
 
 
 def run_method(target, inputs, method: Method, drafter, draft_lm, common: dict) -> tuple[torch.Tensor, float, int, list]:
@@ -234,7 +240,7 @@ def plot(report: dict, out_dir: Path) -> list[Path]:
     for key, ylabel, name in (("tau", "τ (tokens per target forward)", "tau_vs_budget.png"),
                               ("speedup", "speedup vs autoregressive", "speedup_vs_budget.png")):
         fig, ax = plt.subplots(figsize=(6, 4))
-        for mode in TREE_MODES:
+        for mode in TREE_MODES + LOOKUP_MODES:
             points = sorted((r["budget"], r[key]) for r in rows if r["method"] == mode and isinstance(r["budget"], int))
             if points:
                 ax.plot(*zip(*points), marker="o", label=mode)
@@ -258,14 +264,15 @@ def plot(report: dict, out_dir: Path) -> list[Path]:
 def parse_methods(modes: list[str], budgets: list[int]) -> list[Method]:
     methods = []
     for mode in modes:
-        if mode in TREE_MODES:
+        base = mode.removesuffix(LOOKUP_SUFFIX)
+        if base in TREE_MODES and not (base == "chain" and base != mode):  # a chain has no branch to add
             methods.extend(Method(mode, budget) for budget in budgets)
-        elif mode == "auto":
-            methods.append(Method("auto", "auto"))
+        elif base == "auto":
+            methods.append(Method(mode, "auto"))
         elif mode in BASELINES:
             methods.append(Method(mode))
         else:
-            raise SystemExit(f"Unknown method {mode!r}: use {BASELINES + TREE_MODES + ('auto',)}.")
+            raise SystemExit(f"Unknown method {mode!r}: use {BASELINES + TREE_MODES + ('auto',) + LOOKUP_MODES}.")
     if not any(m.name == "autoregressive" for m in methods):
         methods.insert(0, Method("autoregressive"))
     return methods
@@ -320,7 +327,8 @@ def add_parser(subparsers) -> None:
     parser.add_argument("--draft-lm", help="AR draft LM for hf_assisted (default: the bundled one)")
     parser.add_argument("--prompts", default="stdlib-heldout",
                         help="humaneval, stdlib-heldout, mt-bench, or a JSONL file of {\"prompt\": ...}")
-    parser.add_argument("--modes", nargs="+", default=list(BASELINES + TREE_MODES + ("auto",)))
+    parser.add_argument("--modes", nargs="+", default=list(BASELINES + TREE_MODES + ("auto",) + LOOKUP_MODES),
+                        help="methods; a tree mode or auto with the suffix +lookup adds the lookup branch")
     parser.add_argument("--budgets", type=int, nargs="+", default=[4, 8, 16, 32, 64])
     parser.add_argument("--max-new-tokens", type=int, default=96)
     parser.add_argument("--temperature", type=float, default=0.0)

@@ -1,7 +1,7 @@
 """Stages 1-2 of the pipeline: one drafter forward, then the tables the tree is built from.
 
 `Q` block size, `D` deepest drafted depth (<= Q-1), `V` vocabulary, `H` hidden size, `M` top-m, `K` top-k,
-`n` number of context layers.
+`n` number of context layers, `C` shortlist size of stage 2.
 """
 
 from __future__ import annotations
@@ -13,19 +13,37 @@ import torch
 from transformers import DynamicCache
 from transformers.generation.candidate_generator import CandidateGenerator
 
+from .lookup import with_lookup_branch
 from .options import TreeOptions
 from .tree import ChildList, DraftTree, best_first_tree, chain_tree, table_children
 
 
 @dataclass
+class Shortlist:
+    """Per depth d = 1..D, the `C` most likely tokens of the marginal, the `lm_head` rows that score them and the
+    marginal's log-mass on them. Stage 2 scores AR rows on these tokens only (`C*H` instead of `V*H` per row)
+    and gives the shortlist the marginal's mass: with a zero AR layer that reproduces the marginal exactly.
+
+    tokens: `[D, C]` sorted by decreasing marginal probability; weight: `[H, D*C]` (depth-major columns);
+    bias: `[D, C]` or None; log_mass: `[D]`."""
+
+    tokens: torch.LongTensor
+    weight: torch.Tensor
+    bias: torch.Tensor | None
+    log_mass: torch.Tensor
+
+
+@dataclass
 class BlockDraft:
     """One drafter forward. anchor_token: `b`; prev_token: the committed token before `b` (or -1);
-    pre_norm_hidden: `[D+1, H]` backbone outputs for slots 0..D; marginal_log_probs: `[D, V]` for depths 1..D."""
+    pre_norm_hidden: `[D+1, H]` backbone outputs for slots 0..D; marginal_log_probs: `[D, V]` for depths 1..D;
+    shortlist: the stage-2 vocabulary per depth, or None for the full vocabulary."""
 
     anchor_token: int
     prev_token: int
     pre_norm_hidden: torch.Tensor
     marginal_log_probs: torch.Tensor
+    shortlist: Shortlist | None = None
 
     @property
     def depth(self) -> int:
@@ -70,7 +88,11 @@ class TreeFlashCandidateGenerator(CandidateGenerator):
         # 34M-parameter profile target), effectively infinite on a GPU, where one big batch is nearly free.
         self.ar_evaluation = ar_evaluation or "auto"
         self.ar_prefetch = 4
-        self.call_cost_in_rows = 4.0 if drafter.device.type == "cpu" else float("inf")
+        self.call_cost_in_rows = 64.0 if drafter.device.type == "cpu" else float("inf")
+        # Stage-2 vocabulary: on a CPU a full-vocabulary row costs a V*H product (the whole lm_head read per call),
+        # so AR rows are scored on the marginal's top `ar_shortlist` tokens of their depth (see `Shortlist`);
+        # None scores the full vocabulary (the default on accelerators, where a big product is nearly free).
+        self.ar_shortlist: int | None = 64 if drafter.device.type == "cpu" else None
         # transformers' assisted loop merges this into the target's forward kwargs.
         self.model_kwargs_overrides = {"output_hidden_states": [i + 1 for i in self.target_layer_ids]}
         self._stock_prefilled = False
@@ -106,11 +128,27 @@ class TreeFlashCandidateGenerator(CandidateGenerator):
         self.cache.crop(-q_len)  # keep the context K/V, drop the block's
         depth = max(0, min(q_len - 1, max_depth))
         logits = self.lm_head(out.last_hidden_state[0, 1 : depth + 1])  # [D, V]
+        marginal_log_probs = torch.log_softmax(logits.float(), dim=-1)
         return BlockDraft(
             anchor_token=anchor_token,
             prev_token=prev_token,
             pre_norm_hidden=out.pre_norm_hidden_state[0, : depth + 1],
-            marginal_log_probs=torch.log_softmax(logits.float(), dim=-1),
+            marginal_log_probs=marginal_log_probs,
+            shortlist=self.shortlist(marginal_log_probs) if self.options.tree_mode == "treeflash" else None,
+        )
+
+    def shortlist(self, marginal_log_probs: torch.Tensor) -> Shortlist | None:
+        """The stage-2 `Shortlist` of marginals `[D, V]`, or None when rows score the full vocabulary."""
+        size = self.ar_shortlist
+        if size is None or size >= marginal_log_probs.shape[-1] or marginal_log_probs.shape[0] == 0:
+            return None
+        top = marginal_log_probs.topk(size, dim=-1)  # [D, C], sorted
+        bias = self.lm_head.bias
+        return Shortlist(
+            tokens=top.indices,
+            weight=self.lm_head.weight[top.indices.flatten()].T,  # [H, D*C]
+            bias=None if bias is None else bias[top.indices],
+            log_mass=torch.logsumexp(top.values, dim=-1),
         )
 
     @torch.no_grad()
@@ -133,14 +171,28 @@ class TreeFlashCandidateGenerator(CandidateGenerator):
             prev2_embeds = self.input_embeddings(lookup[parent_depths])
         corrected = self.drafter.ar_corrected_hidden_states(
             hidden_rows, self.input_embeddings(parent_tokens), prev2_embeds
-        )
-        log_probs = torch.log_softmax(self.lm_head(corrected).float(), dim=-1)  # [R, V]
-        child = log_probs.topk(min(self.options.tree_top_k, log_probs.shape[-1]), dim=-1)
-        return child.indices, child.values
+        )  # [R, H]
+        shortlist = block.shortlist
+        if shortlist is None:
+            log_probs = torch.log_softmax(self.lm_head(corrected).float(), dim=-1)  # [R, V]
+            child = log_probs.topk(min(self.options.tree_top_k, log_probs.shape[-1]), dim=-1)
+            return child.indices, child.values
+        # Row r scores the shortlist of its children's depth d+1 (index d of the `[D, ...]` tables). One product
+        # against every depth's shortlist, then each row keeps its own depth's block: no per-row weight copies.
+        num_depths, size = shortlist.tokens.shape
+        rows = torch.arange(len(parent_depths), device=device)
+        logits = (corrected @ shortlist.weight).view(-1, num_depths, size)[rows, parent_depths]  # [R, C]
+        if shortlist.bias is not None:
+            logits = logits + shortlist.bias[parent_depths]
+        log_probs = torch.log_softmax(logits.float(), dim=-1) + shortlist.log_mass[parent_depths, None]
+        child = log_probs.topk(min(self.options.tree_top_k, size), dim=-1)
+        return shortlist.tokens[parent_depths].gather(1, child.indices), child.values
 
     def top_tokens(self, block: BlockDraft) -> torch.LongTensor:
         """Stage 1: `S_d`, the top-M tokens of each marginal, `[D, M]` for depths 1..D."""
         top_m = min(self.options.tree_top_m, block.marginal_log_probs.shape[-1])
+        if block.shortlist is not None and block.shortlist.tokens.shape[-1] >= top_m:
+            return block.shortlist.tokens[:, :top_m]
         return block.marginal_log_probs.topk(top_m, dim=-1).indices
 
     def ar_tables(self, block: BlockDraft) -> tuple[torch.LongTensor, torch.Tensor, list[dict[int, int]]]:
@@ -157,26 +209,31 @@ class TreeFlashCandidateGenerator(CandidateGenerator):
         row_of = [{token: 1 + d * top_m + j for j, token in enumerate(row)} for d, row in enumerate(top.tolist())]
         return child_tokens, child_log_probs, row_of
 
-    def build_tree(self, block: BlockDraft, budget: int) -> DraftTree:
-        """Stage 3: the tree of at most `budget` nodes (root included) for the configured mode."""
+    def build_tree(self, block: BlockDraft, budget: int, lookup: tuple[list[int], float] | None = None) -> DraftTree:
+        """Stage 3: the tree of at most `budget` nodes (root included) for the configured mode. `lookup` =
+        (tokens, log-prob per token) adds a lookup branch below the root (tree modes; see `lookup.py`)."""
         max_depth = min(block.depth, budget - 1)
         mode = self.options.tree_mode
         if max_depth <= 0 or mode == "chain":
             best = block.marginal_log_probs[:max(max_depth, 0)].max(dim=-1)
             return chain_tree(block.anchor_token, best.indices.cpu(), best.values.cpu())
+
+        def search(children_of, prefetch=None, prefetch_size: int = 0) -> DraftTree:
+            if lookup is not None and lookup[0]:
+                children_of = with_lookup_branch(children_of, *lookup)
+            return best_first_tree(block.anchor_token, children_of, budget, max_depth, prefetch, prefetch_size)
+
         if mode == "marginal_tree":
             child = block.marginal_log_probs[:max_depth].topk(self.options.tree_top_k, dim=-1)
             # row d holds the children at depth d+1, whatever the parent
-            children_of = table_children(child.indices, child.values, lambda depth, token: depth)
-            return best_first_tree(block.anchor_token, children_of, budget, max_depth)
+            return search(table_children(child.indices, child.values, lambda depth, token: depth))
         batched_rows = 1 + (max_depth - 1) * self.options.tree_top_m
         lazy_cost = (budget - 1) * self.call_cost_in_rows
         if self.ar_evaluation == "batched" or (self.ar_evaluation == "auto" and lazy_cost >= batched_rows):
             child_tokens, child_log_probs, row_of = self.ar_tables(block)
-            children_of = table_children(
+            return search(table_children(
                 child_tokens, child_log_probs, lambda d, token: 0 if d == 0 else row_of[d - 1].get(token, -1)
-            )
-            return best_first_tree(block.anchor_token, children_of, budget, max_depth)
+            ))
         lazy = LazyARChildren(self, block)
         # Guess which nodes the search will expand by running it on the marginals (a stand-in for the AR rows,
         # cheap), compute those rows in one call, then search for real; rows it missed are computed on demand.
@@ -185,8 +242,7 @@ class TreeFlashCandidateGenerator(CandidateGenerator):
                                   lambda depth, token: depth if lazy.has_children(depth, token) else -1)
         guess = best_first_tree(block.anchor_token, stand_in, budget, max_depth)
         lazy.prefetch(list(zip(guess.depths.tolist(), guess.tokens.tolist())))
-        return best_first_tree(block.anchor_token, lazy.children_of, budget, max_depth, lazy.prefetch,
-                               prefetch_size=self.ar_prefetch)
+        return search(lazy.children_of, lazy.prefetch, self.ar_prefetch)
 
     # ---- transformers' CandidateGenerator protocol (chain mode, stock linear verification) ---------------
     @torch.no_grad()

@@ -8,6 +8,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import logging
+import math
 import time
 from dataclasses import dataclass, field
 
@@ -27,7 +28,9 @@ from .accept import choose_token, walk_tree
 from .budget import AutoBudget, verify_cost_curve
 from .cache import check_cache_supported, compact_cache
 from .draft import TreeFlashCandidateGenerator
+from .lookup import MAX_NGRAM, LookupScheduler, ngram_continuation
 from .options import OPTION_NAMES, TreeOptions
+from .tree import chain_tree
 from .validation import (
     TREE_MASK_BACKENDS,
     TreeFlashInputError,
@@ -44,11 +47,13 @@ logger = logging.getLogger(__name__)
 @dataclass
 class TreeFlashStats:
     """Per verification step: `accepted_lengths` drafted tokens accepted (the bonus token not counted),
-    `tree_sizes` nodes verified (root included), `expected_accepted_lengths` the drafter's own estimate."""
+    `tree_sizes` nodes verified (root included), `expected_accepted_lengths` the drafter's own estimate,
+    `lookup_only` whether the step verified the lookup branch alone (drafter skipped)."""
 
     accepted_lengths: list[int] = field(default_factory=list)
     tree_sizes: list[int] = field(default_factory=list)
     expected_accepted_lengths: list[float] = field(default_factory=list)
+    lookup_only: list[bool] = field(default_factory=list)
 
     @property
     def tau(self) -> float:
@@ -61,11 +66,12 @@ class TreeFlashStats:
 @dataclass
 class TreeFlashGenerateOutput(GenerateDecoderOnlyOutput):
     """`GenerateDecoderOnlyOutput` plus per-step statistics: `accepted_lengths`, `tree_sizes`,
-    `expected_accepted_lengths` (lists, one entry per verification step) and `tau`."""
+    `expected_accepted_lengths`, `lookup_only` (lists, one entry per verification step) and `tau`."""
 
     accepted_lengths: list[int] | None = None
     tree_sizes: list[int] | None = None
     expected_accepted_lengths: list[float] | None = None
+    lookup_only: list[bool] | None = None
     tau: float | None = None
 
 
@@ -128,6 +134,7 @@ def treeflash_decode(
     scores, raw_logits = [], []
     stats = TreeFlashStats()
     auto_budget = AutoBudget(verify_cost_curve(target)) if options.tree_budget == "auto" else None
+    lookup = LookupScheduler()
 
     def emit(token: int, token_scores: torch.Tensor, token_raw: torch.Tensor) -> bool:
         """Commit one token; True when generation must stop."""
@@ -147,22 +154,37 @@ def treeflash_decode(
         past_len = cache.get_seq_length()
         drafting_started = time.perf_counter()
         budget = options.tree_budget if auto_budget is None else auto_budget.build_size()
-        block = generator.draft(
-            root_token, root_position, new_context, max_depth=min(remaining, budget) - 1,
-            prev_token=int(sequence[0, -2]),
-        )
-        tree = generator.build_tree(block, budget)
-        if auto_budget is not None:
+        lookup_tokens, ngram = [], 0
+        if options.tree_lookup:
+            lookup_tokens, ngram = ngram_continuation(sequence[0], MAX_NGRAM, min(options.tree_lookup, remaining - 1))
+        lookup_only = lookup.lookup_only(ngram, len(lookup_tokens))
+        if lookup_only:  # verify the lookup branch alone; the drafter catches up with the next draft
+            rate = lookup.rates.rate(ngram)
+            tree = chain_tree(root_token, torch.tensor(lookup_tokens),
+                              torch.full((len(lookup_tokens),), math.log(rate)))
+        else:
+            block = generator.draft(
+                root_token, root_position, new_context, max_depth=min(remaining, budget) - 1,
+                prev_token=int(sequence[0, -2]),
+            )
+            branch = (lookup_tokens, math.log(lookup.rates.rate(ngram))) if lookup_tokens else None
+            tree = generator.build_tree(block, budget, branch)
+        if auto_budget is not None and not lookup_only:
             if target.device.type == "cuda":
                 torch.cuda.synchronize(target.device)
             tree, predicted = auto_budget.choose(tree, time.perf_counter() - drafting_started)
         logits, hidden_states = verify_tree(target, tree, cache, past_len, root_position, past_key_mask, layer_ids)
         accepted = walk_tree(tree, logits, sequence, logits_processor, do_sample)
-        if auto_budget is not None:
+        if lookup_tokens:
+            lookup.rates.observe(ngram, lookup_tokens, accepted.tokens)
+            lookup.observe(lookup_only, time.perf_counter() - drafting_started, len(accepted.path), ngram,
+                           len(lookup_tokens))
+        if auto_budget is not None and not lookup_only:
             auto_budget.observe(predicted, len(accepted.path))
         stats.accepted_lengths.append(len(accepted.path))
         stats.tree_sizes.append(tree.size)
         stats.expected_accepted_lengths.append(tree.expected_accepted_len)
+        stats.lookup_only.append(lookup_only)
         for token, token_scores, node in zip(accepted.tokens, accepted.scores, accepted.visited):
             finished = emit(token, token_scores, logits[node : node + 1])
             if finished:
@@ -171,7 +193,8 @@ def treeflash_decode(
             break
         kept_nodes = torch.tensor([0] + accepted.path, dtype=torch.long, device=tree.tokens.device)
         compact_cache(cache, past_len, kept_nodes)
-        new_context = generator.context_features(hidden_states, kept_nodes.to(target.device))
+        kept_context = generator.context_features(hidden_states, kept_nodes.to(target.device))
+        new_context = torch.cat([new_context, kept_context], dim=1) if lookup_only else kept_context
         if past_key_mask is not None:
             past_key_mask = torch.cat([past_key_mask, past_key_mask.new_ones(kept_nodes.shape[0])])
         root_position += kept_nodes.shape[0]
@@ -189,6 +212,7 @@ def treeflash_decode(
         accepted_lengths=stats.accepted_lengths,
         tree_sizes=stats.tree_sizes,
         expected_accepted_lengths=stats.expected_accepted_lengths,
+        lookup_only=stats.lookup_only,
         tau=stats.tau,
     )
 

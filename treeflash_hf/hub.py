@@ -17,7 +17,8 @@ import torch
 
 PACKAGE_DIR = Path(__file__).resolve().parent
 CARD_TEMPLATE = PACKAGE_DIR.parent / "hub_cards" / "treeflash_drafter.md"
-ENGINE_MODULES = ("accept", "budget", "cache", "draft", "generation", "options", "tree", "validation", "verify")
+ENGINE_MODULES = ("accept", "budget", "cache", "draft", "generation", "lookup", "options", "tree", "validation",
+                  "verify")
 REQUIRED_CONFIG_FIELDS = ("model_type", "hidden_size", "vocab_size", "block_size", "mask_token_id",
                           "target_layer_ids", "num_target_layers", "auto_map")
 
@@ -85,7 +86,7 @@ def render_card(drafter_dir: Path, repo_id: str, base_model: str, bench: dict | 
         num_layers=config["num_hidden_layers"], block_size=config["block_size"],
         target_layer_ids=config["target_layer_ids"], tree_mode=config.get("tree_mode"),
         tree_budget=config.get("tree_budget"), tree_top_m=config.get("tree_top_m"),
-        tree_top_k=config.get("tree_top_k"), training_section=training, eval_section=eval_section,
+        tree_top_k=config.get("tree_top_k"), tree_lookup=config.get("tree_lookup", 0), training_section=training, eval_section=eval_section,
     )
 
 

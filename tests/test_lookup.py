@@ -1,0 +1,111 @@
+"""The lookup branch (`tree_lookup`): n-gram matching, merging into the best-first search, the schedule that
+skips the drafter, and losslessness with it."""
+
+import pytest
+import torch
+
+from treeflash_hf import TreeFlashCandidateGenerator, TreeOptions, treeflash_generate
+from treeflash_hf.lookup import LookupRates, LookupScheduler, ngram_continuation, with_lookup_branch
+from treeflash_hf.testing import matching_drafter, random_target
+from treeflash_hf.tree import best_first_tree, table_children
+
+from .conftest import randomise_ar_layer
+
+
+def test_ngram_continuation_prefers_the_longest_most_recent_match():
+    sequence = torch.tensor([5, 6, 7, 1, 9, 6, 7, 2, 3, 8, 6, 7])
+    # "6 7" occurs at 1 and 5: the most recent earlier occurrence (5) proposes what followed it.
+    assert ngram_continuation(sequence, max_ngram=2, length=3) == ([2, 3, 8], 2)
+    # With trigrams, "8 6 7" never occurred before, so the bigram decides.
+    assert ngram_continuation(sequence, max_ngram=3, length=2) == ([2, 3], 2)
+    # "9 6 7" occurred once: the trigram wins over the more recent bigram.
+    assert ngram_continuation(torch.tensor([9, 6, 7, 4, 6, 7, 5, 9, 6, 7]), 3, 2) == ([4, 6], 3)
+    assert ngram_continuation(torch.tensor([1, 2, 3]), 3, 4) == ([], 0)
+    assert ngram_continuation(torch.tensor([4]), 3, 4) == ([], 0)
+
+
+def test_lookup_branch_is_merged_into_the_best_first_search():
+    # Marginal-style tables: every depth offers tokens 10, 11 with log-probs -0.125, -2.5.
+    children = table_children(torch.tensor([[10, 11]] * 4), torch.tensor([[-0.125, -2.5]] * 4), lambda d, t: d)
+    plain = best_first_tree(0, children, budget=5, max_depth=4)
+    assert 42 not in plain.tokens.tolist()
+    branch = with_lookup_branch(children, [42, 43, 10], log_prob=-0.0625)
+    tree = best_first_tree(0, branch, budget=5, max_depth=4)
+    tokens, parents = tree.tokens.tolist(), tree.parents.tolist()
+    # the branch root -> 42 -> 43 -> 10 is in the tree, each node below the previous one
+    first = tokens.index(42)
+    second = tokens.index(43)
+    assert parents[first] == 0 and parents[second] == first
+    assert any(t == 10 and parents[i] == second for i, t in enumerate(tokens))
+    # A branch token the drafter already proposes keeps the larger of the two log-probs, children stay sorted.
+    merged = with_lookup_branch(children, [11], log_prob=-1.0)(0, 0)
+    assert merged == ([10, 11], [-0.125, -1.0])
+    assert with_lookup_branch(children, [10], log_prob=-1.0)(0, 0) == ([10, 11], [-0.125, -2.5])
+    # off the branch, the tables are untouched
+    assert with_lookup_branch(children, [42, 43], log_prob=-0.0625)(1, 10) == ([10, 11], [-0.125, -2.5])
+
+
+def test_lookup_rates_count_trials_up_to_the_first_miss():
+    rates = LookupRates(prior=0.5, prior_count=2.0, decay=1.0)
+    rates.observe(2, proposed=[1, 2, 3, 4], target_tokens=[1, 2, 9, 4])  # 3 trials, 2 accepted
+    assert rates.rate(2) == pytest.approx((2 + 1) / (3 + 2))
+    assert rates.rate(1) == pytest.approx(0.5)
+
+
+def test_scheduler_skips_the_drafter_only_when_that_is_faster():
+    scheduler = LookupScheduler(explore_every=1000)
+    assert not scheduler.lookup_only(ngram=2, length=4)  # nothing measured yet: draft
+    scheduler.observe(False, seconds=0.010, accepted=3, ngram=2, length=4)
+    assert scheduler.lookup_only(2, 4)  # full step measured, lookup-only not yet: try it
+    scheduler.observe(True, seconds=0.004, accepted=2, ngram=2, length=4)
+    branch = 1 + scheduler.expected(2, 4)
+    full_rate = (branch + scheduler.drafter_gain) / 0.010
+    assert scheduler.lookup_only(2, 4) == (branch / 0.004 > full_rate)
+    scheduler.drafter_gain = 10.0  # the drafter adds a lot: drafting wins
+    assert not scheduler.lookup_only(2, 4)
+    assert not scheduler.lookup_only(2, 0)  # no branch, nothing to verify alone
+
+
+@pytest.fixture(scope="module")
+def looping_pair():
+    """A small-vocabulary random target: its greedy continuations repeat, so the lookup branch matches often."""
+    target = random_target("qwen3", vocab_size=16, seed=5)
+    drafter = randomise_ar_layer(matching_drafter(target, seed=6))
+    return target, drafter
+
+
+class ContextCheckingGenerator(TreeFlashCandidateGenerator):
+    """Asserts that every draft sees the drafter context of every committed position before its anchor,
+    whether or not earlier steps skipped the drafter."""
+
+    def draft(self, anchor_token, anchor_position, new_context, max_depth, prev_token=-1):
+        assert self.cache.get_seq_length() + new_context.shape[1] == anchor_position
+        return super().draft(anchor_token, anchor_position, new_context, max_depth, prev_token)
+
+
+@pytest.mark.parametrize("schedule", ["measured", "always_lookup_only"])
+@pytest.mark.parametrize("mode,budget", [("treeflash", 8), ("marginal_tree", 4), ("treeflash", "auto")])
+def test_greedy_output_with_lookup_is_the_targets(looping_pair, mode, budget, schedule, monkeypatch):
+    target, drafter = looping_pair
+    if schedule == "always_lookup_only":
+        monkeypatch.setattr(LookupScheduler, "lookup_only", lambda self, ngram, length: length > 0)
+    options = TreeOptions(tree_mode=mode, tree_budget=budget, tree_top_m=4, tree_top_k=4, tree_lookup=5)
+    lookup_only_steps = 0
+    for prompt in ([[3, 1, 4, 1, 5]], [[2, 7, 1, 8, 2, 8]]):
+        prompt = torch.tensor(prompt)
+        reference = target.generate(prompt, max_new_tokens=40, do_sample=False)
+        generator = ContextCheckingGenerator(drafter, target, options)
+        out = treeflash_generate(target, drafter, prompt, max_new_tokens=40, candidate_generator=generator,
+                                 tree_mode=mode, tree_budget=budget, tree_top_m=4, tree_top_k=4, tree_lookup=5)
+        assert torch.equal(out.sequences, reference), (mode, budget, schedule)
+        lookup_only_steps += sum(out.lookup_only)
+        assert len(out.lookup_only) == len(out.accepted_lengths)
+    if schedule == "always_lookup_only":
+        assert lookup_only_steps > 0, "no step verified the lookup branch alone: the test would not exercise it"
+
+
+def test_lookup_needs_a_tree_and_a_non_negative_length():
+    with pytest.raises(ValueError, match="tree_lookup"):
+        TreeOptions(tree_mode="chain", tree_lookup=4)
+    with pytest.raises(ValueError, match="tree_lookup=-1"):
+        TreeOptions(tree_lookup=-1)

@@ -1,0 +1,137 @@
+"""A lookup branch for the draft tree (`tree_lookup`): what followed the last time the sequence ended this way.
+
+Code and chat repeat themselves (identifiers, call patterns, quoted text). The most recent earlier occurrence of
+the sequence's last n tokens proposes the tokens that followed it, as one more branch of the drafter's tree; the
+best-first search weighs it against the drafter's own nodes. Each proposed token carries `p = P(accepted | parent
+accepted)`, estimated online per n-gram length. Verification is unchanged, so output stays the target's own.
+
+`S` committed sequence length, `L` lookup length.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+from .tree import ChildList
+
+MAX_NGRAM = 3  # longest n-gram matched first (then shorter ones)
+
+
+def ngram_continuation(sequence: torch.LongTensor, max_ngram: int, length: int) -> tuple[list[int], int]:
+    """The `length` tokens that followed the most recent earlier occurrence of the last n tokens of `sequence
+    [S]`, trying n = max_ngram down to 1. Returns (continuation, n), or ([], 0) when nothing matches."""
+    sequence = sequence.cpu()
+    total = sequence.shape[0]
+    for n in range(min(max_ngram, total - 1), 0, -1):
+        windows = sequence[: total - 1].unfold(0, n, 1)  # [S-n, n], windows that have a next token
+        starts = (windows == sequence[total - n :]).all(dim=-1).nonzero()[:, 0]
+        if starts.numel():
+            begin = int(starts[-1]) + n
+            return sequence[begin : begin + length].tolist(), n
+    return [], 0
+
+
+@dataclass
+class LookupRates:
+    """Per n-gram length, the running probability that a proposed token is accepted when its parent was
+    (a Beta prior of `prior_count` pseudo-trials at `prior`, then exponentially weighted counts)."""
+
+    prior: float = 0.5
+    prior_count: float = 2.0
+    decay: float = 0.98
+    successes: dict[int, float] = field(default_factory=dict)
+    trials: dict[int, float] = field(default_factory=dict)
+
+    def rate(self, ngram: int) -> float:
+        successes = self.successes.get(ngram, 0.0) + self.prior * self.prior_count
+        return successes / (self.trials.get(ngram, 0.0) + self.prior_count)
+
+    def observe(self, ngram: int, proposed: list[int], target_tokens: list[int]) -> None:
+        """`target_tokens`: the target's own tokens at depths 1, 2, ... (as far as verification reached). Each
+        proposed token whose predecessors all matched is one trial."""
+        successes = self.successes.get(ngram, 0.0) * self.decay
+        trials = self.trials.get(ngram, 0.0) * self.decay
+        for proposed_token, target_token in zip(proposed, target_tokens):
+            trials += 1
+            if proposed_token != target_token:
+                break
+            successes += 1
+        self.successes[ngram], self.trials[ngram] = successes, trials
+
+
+def with_lookup_branch(children_of, lookup_tokens: list[int], log_prob: float):
+    """Wrap a best-first `children_of(depth, token)` so that the lookup branch root -> lookup_tokens[0] -> ... is
+    offered too: the node at depth i carrying `lookup_tokens[i-1]` (the root at depth 0) gets child
+    `lookup_tokens[i]` with log-prob at least `log_prob`. Children stay sorted by decreasing log-prob."""
+
+    def children(depth: int, token: int) -> ChildList | None:
+        base = children_of(depth, token)
+        on_branch = depth < len(lookup_tokens) and (depth == 0 or lookup_tokens[depth - 1] == token)
+        if not on_branch:
+            return base
+        proposed = lookup_tokens[depth]
+        tokens, log_probs = (list(base[0]), list(base[1])) if base is not None else ([], [])
+        if proposed in tokens:
+            at = tokens.index(proposed)
+            if log_probs[at] >= log_prob:
+                return base
+            del tokens[at], log_probs[at]
+        at = next((i for i, value in enumerate(log_probs) if value < log_prob), len(log_probs))
+        tokens.insert(at, proposed)
+        log_probs.insert(at, log_prob)
+        return tokens, log_probs
+
+    return children
+
+
+@dataclass
+class LookupScheduler:
+    """Per step with a lookup branch, whether to verify the branch alone and skip the drafter (its forward and
+    tree cost as much as a small target forward on a CPU) or to draft the full tree with the branch in it.
+
+    Expected tokens per second decide: the branch alone yields `1 + E_L` tokens (`E_L = sum_i rate^i`), the full
+    tree `1 + E_L + gain`, where `gain` is what the drafter added on top of the branch on recent full steps;
+    each costs its recent step time. Every `explore_every`-th eligible step drafts anyway, so `gain` stays current.
+    Skipped drafts cost nothing later: the drafter receives the skipped positions' context with the next draft.
+    """
+
+    rates: LookupRates = field(default_factory=LookupRates)
+    explore_every: int = 4
+    smoothing: float = 0.8
+    full_seconds: float | None = None
+    lookup_seconds: float | None = None
+    drafter_gain: float | None = None
+    eligible_steps: int = 0
+
+    def expected(self, ngram: int, length: int) -> float:
+        """Expected accepted tokens of a lookup chain of `length` tokens from an n-gram match."""
+        rate = self.rates.rate(ngram)
+        return sum(rate**i for i in range(1, length + 1))
+
+    def lookup_only(self, ngram: int, length: int) -> bool:
+        if not length:
+            return False
+        self.eligible_steps += 1
+        if self.full_seconds is None or self.drafter_gain is None:
+            return False  # learn the full step's time and gain first
+        if self.lookup_seconds is None:
+            return True
+        if self.eligible_steps % self.explore_every == 0:
+            return False
+        branch = 1 + self.expected(ngram, length)
+        return branch / self.lookup_seconds > (branch + self.drafter_gain) / self.full_seconds
+
+    def observe(self, lookup_only: bool, seconds: float, accepted: int, ngram: int, length: int) -> None:
+        """One verified step: its kind, wall time (drafting to acceptance), accepted drafted tokens, and the
+        n-gram and length of its lookup branch (0, 0 if none)."""
+        def ema(old: float | None, new: float) -> float:
+            return new if old is None else self.smoothing * old + (1 - self.smoothing) * new
+
+        if lookup_only:
+            self.lookup_seconds = ema(self.lookup_seconds, seconds)
+            return
+        self.full_seconds = ema(self.full_seconds, seconds)
+        if length:
+            self.drafter_gain = ema(self.drafter_gain, accepted - self.expected(ngram, length))
