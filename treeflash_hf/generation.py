@@ -155,8 +155,9 @@ def treeflash_decode(
         drafting_started = time.perf_counter()
         budget = options.tree_budget if auto_budget is None else auto_budget.build_size()
         lookup_tokens, ngram = [], 0
-        if options.tree_lookup:
-            lookup_tokens, ngram = ngram_continuation(sequence[0], MAX_NGRAM, min(options.tree_lookup, remaining - 1))
+        lookup_length = min(options.tree_lookup, remaining - 1, budget - 1)  # the budget counts the root
+        if lookup_length > 0:
+            lookup_tokens, ngram = ngram_continuation(sequence[0], MAX_NGRAM, lookup_length)
         lookup_only = lookup.lookup_only(ngram, len(lookup_tokens))
         if lookup_only:  # verify the lookup branch alone; the drafter catches up with the next draft
             rate = lookup.rates.rate(ngram)
