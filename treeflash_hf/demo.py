@@ -32,15 +32,16 @@ def run(args: argparse.Namespace) -> int:
     torch.set_num_threads(args.threads)
     target, drafter, tokenizer = load_models(args)
     inputs = tokenizer(args.prompt, return_tensors="pt")
-    knobs = {"tree_mode": args.mode, "tree_budget": args.tree_budget}
+    knobs = {"tree_mode": args.mode, "tree_budget": args.tree_budget, "tree_lookup": args.tree_lookup}
     knobs = {k: v for k, v in knobs.items() if v is not None}
     common = dict(max_new_tokens=args.max_new_tokens, do_sample=False, pad_token_id=tokenizer.pad_token_id)
     with torch.no_grad():  # warm both paths up so that neither pays first-call costs in the comparison
         target.generate(**inputs, **{**common, "max_new_tokens": 8})
         target.generate(**inputs, assistant_model=drafter, **knobs, **{**common, "max_new_tokens": 8})
 
-        print(f"--- TreeFlash ({drafter.generation_config.tree_mode if 'tree_mode' not in knobs else args.mode}, "
-              f"budget {knobs.get('tree_budget', drafter.generation_config.tree_budget)}) ---")
+        setting = {name: knobs.get(name, getattr(drafter.generation_config, name, None))
+                   for name in ("tree_mode", "tree_budget", "tree_lookup")}
+        print(f"--- TreeFlash ({', '.join(f'{k}={v}' for k, v in setting.items())}) ---")
         streamer = TextStreamer(tokenizer, skip_prompt=False)
         start = time.perf_counter()
         fast = target.generate(**inputs, assistant_model=drafter, streamer=streamer, return_dict_in_generate=True,
@@ -53,7 +54,8 @@ def run(args: argparse.Namespace) -> int:
     new_plain = plain.shape[1] - inputs["input_ids"].shape[1]
     identical = torch.equal(fast.sequences, plain)
     print("\n--- comparison (same process, after warm-up) ---")
-    print(f"tau (tokens per target forward): {fast.tau:.2f} over {len(fast.accepted_lengths)} steps")
+    print(f"tau (tokens per target forward): {fast.tau:.2f} over {len(fast.accepted_lengths)} steps, "
+          f"{sum(fast.lookup_only)} of which verified the lookup branch alone (drafter skipped)")
     print(f"TreeFlash: {new_fast / fast_s:7.1f} tokens/s   plain generate(): {new_plain / plain_s:7.1f} tokens/s")
     print(f"speedup: {(new_fast / fast_s) / (new_plain / plain_s):.2f}x")
     print(f"output identical to plain generate(): {'yes' if identical else 'NO'}")
@@ -69,5 +71,6 @@ def add_parser(subparsers) -> None:
     parser.add_argument("--max-new-tokens", type=int, default=160)
     parser.add_argument("--mode", choices=["chain", "marginal_tree", "treeflash"])
     parser.add_argument("--tree-budget", type=int)
+    parser.add_argument("--tree-lookup", type=int, help="lookup-branch length (0 = off; default: the drafter's)")
     parser.add_argument("--threads", type=int, default=2)
     parser.set_defaults(func=run)

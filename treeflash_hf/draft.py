@@ -84,11 +84,14 @@ class TreeFlashCandidateGenerator(CandidateGenerator):
         # How stage 2 runs (the same tree either way): "batched" evaluates every (depth, top-M token) row in one
         # call (about M*Q rows); "lazy" evaluates only the rows of nodes the best-first search expands (at most
         # budget - 1), with `ar_prefetch` likely-next rows per call. "auto" picks lazy when its calls cost less
-        # than the batched rows, counting one call as `call_cost_in_rows` rows: ~4 on a CPU (measured on the
-        # 34M-parameter profile target), effectively infinite on a GPU, where one big batch is nearly free.
+        # than the batched rows, counting one call as `call_cost_in_rows` rows: on a CPU a call's fixed cost
+        # (~0.3 ms, the work of ~3e7 multiply-adds there) over one row's AR-layer multiply-adds; effectively
+        # infinite on a GPU, where one big batch is nearly free.
         self.ar_evaluation = ar_evaluation or "auto"
         self.ar_prefetch = 4
-        self.call_cost_in_rows = 64.0 if drafter.device.type == "cpu" else float("inf")
+        ar_layer = drafter.ar_approximation
+        row_macs = ar_layer.ug.weight.numel() + ar_layer.d.weight.numel()
+        self.call_cost_in_rows = 3e7 / row_macs if drafter.device.type == "cpu" else float("inf")
         # Stage-2 vocabulary: on a CPU a full-vocabulary row costs a V*H product (the whole lm_head read per call),
         # so AR rows are scored on the marginal's top `ar_shortlist` tokens of their depth (see `Shortlist`);
         # None scores the full vocabulary (the default on accelerators, where a big product is nearly free).

@@ -51,7 +51,7 @@ def profile_budget(target, drafter, prompt, budget: int, mode: str, new_tokens: 
     with stage_timers(totals):
         start = time.perf_counter()
         out = generation.treeflash_generate(target, drafter, prompt, max_new_tokens=new_tokens, tree_mode=mode,
-                                            tree_budget=budget)
+                                            tree_budget=budget, tree_lookup=0)  # the drafter pipeline only
         wall = time.perf_counter() - start
     return totals, len(out.tree_sizes), wall
 
