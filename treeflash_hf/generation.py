@@ -134,7 +134,7 @@ def treeflash_decode(
     scores, raw_logits = [], []
     stats = TreeFlashStats()
     auto_budget = AutoBudget(verify_cost_curve(target)) if options.tree_budget == "auto" else None
-    lookup = LookupScheduler()
+    lookup_schedule = LookupScheduler()
 
     def emit(token: int, token_scores: torch.Tensor, token_raw: torch.Tensor) -> bool:
         """Commit one token; True when generation must stop."""
@@ -158,17 +158,17 @@ def treeflash_decode(
         lookup_length = min(options.tree_lookup, remaining - 1, budget - 1)  # the budget counts the root
         if lookup_length > 0:
             lookup_tokens, ngram = ngram_continuation(sequence[0], MAX_NGRAM, lookup_length)
-        lookup_only = lookup.lookup_only(ngram, len(lookup_tokens))
+        lookup_only = lookup_schedule.lookup_only(ngram, len(lookup_tokens))
+        lookup_log_prob = math.log(lookup_schedule.rates.rate(ngram)) if lookup_tokens else 0.0
         if lookup_only:  # verify the lookup branch alone; the drafter catches up with the next draft
-            rate = lookup.rates.rate(ngram)
             tree = chain_tree(root_token, torch.tensor(lookup_tokens),
-                              torch.full((len(lookup_tokens),), math.log(rate)))
+                              torch.full((len(lookup_tokens),), lookup_log_prob))
         else:
             block = generator.draft(
                 root_token, root_position, new_context, max_depth=min(remaining, budget) - 1,
                 prev_token=int(sequence[0, -2]),
             )
-            branch = (lookup_tokens, math.log(lookup.rates.rate(ngram))) if lookup_tokens else None
+            branch = (lookup_tokens, lookup_log_prob) if lookup_tokens else None
             tree = generator.build_tree(block, budget, branch)
         if auto_budget is not None and not lookup_only:
             if target.device.type == "cuda":
@@ -177,9 +177,9 @@ def treeflash_decode(
         logits, hidden_states = verify_tree(target, tree, cache, past_len, root_position, past_key_mask, layer_ids)
         accepted = walk_tree(tree, logits, sequence, logits_processor, do_sample)
         if lookup_tokens:
-            lookup.rates.observe(ngram, lookup_tokens, accepted.tokens)
-            lookup.observe(lookup_only, time.perf_counter() - drafting_started, len(accepted.path), ngram,
-                           len(lookup_tokens))
+            lookup_schedule.rates.observe(ngram, lookup_tokens, accepted.tokens)
+            lookup_schedule.observe(lookup_only, time.perf_counter() - drafting_started, len(accepted.path),
+                                    ngram, len(lookup_tokens))
         if auto_budget is not None and not lookup_only:
             auto_budget.observe(predicted, len(accepted.path))
         stats.accepted_lengths.append(len(accepted.path))
