@@ -95,7 +95,7 @@ class TreeFlashDrafterConfig(PreTrainedConfig):
         tree_budget: int | str = 64,
         tree_top_m: int = 16,
         tree_top_k: int = 16,
-        tree_lookup: int = 10,
+        tree_lookup: int = 32,
         **kwargs,
     ):
         self.vocab_size = vocab_size

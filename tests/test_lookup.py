@@ -21,6 +21,8 @@ def test_ngram_continuation_prefers_the_longest_most_recent_match():
     # "9 6 7" occurred once: the trigram wins over the more recent bigram.
     assert ngram_continuation(torch.tensor([9, 6, 7, 4, 6, 7, 5, 9, 6, 7]), 3, 2) == ([4, 6], 3)
     assert ngram_continuation(torch.tensor([1, 2, 3]), 3, 4) == ([], 0)
+    # Periodic text: the copy at distance 3 continues over its own output, past the end of the sequence.
+    assert ngram_continuation(torch.tensor([1, 2, 3, 1, 2, 3, 1, 2]), 3, 7) == ([3, 1, 2, 3, 1, 2, 3], 3)
     assert ngram_continuation(torch.tensor([4]), 3, 4) == ([], 0)
 
 
@@ -29,7 +31,7 @@ def test_lookup_branch_is_merged_into_the_best_first_search():
     children = table_children(torch.tensor([[10, 11]] * 4), torch.tensor([[-0.125, -2.5]] * 4), lambda d, t: d)
     plain = best_first_tree(0, children, budget=5, max_depth=4)
     assert 42 not in plain.tokens.tolist()
-    branch = with_lookup_branch(children, [42, 43, 10], log_prob=-0.0625)
+    branch = with_lookup_branch(children, [42, 43, 10], [-0.0625] * 3)
     tree = best_first_tree(0, branch, budget=5, max_depth=4)
     tokens, parents = tree.tokens.tolist(), tree.parents.tolist()
     # the branch root -> 42 -> 43 -> 10 is in the tree, each node below the previous one
@@ -38,18 +40,24 @@ def test_lookup_branch_is_merged_into_the_best_first_search():
     assert parents[first] == 0 and parents[second] == first
     assert any(t == 10 and parents[i] == second for i, t in enumerate(tokens))
     # A branch token the drafter already proposes keeps the larger of the two log-probs, children stay sorted.
-    merged = with_lookup_branch(children, [11], log_prob=-1.0)(0, 0)
+    merged = with_lookup_branch(children, [11], [-1.0])(0, 0)
     assert merged == ([10, 11], [-0.125, -1.0])
-    assert with_lookup_branch(children, [10], log_prob=-1.0)(0, 0) == ([10, 11], [-0.125, -2.5])
+    assert with_lookup_branch(children, [10], [-1.0])(0, 0) == ([10, 11], [-0.125, -2.5])
     # off the branch, the tables are untouched
-    assert with_lookup_branch(children, [42, 43], log_prob=-0.0625)(1, 10) == ([10, 11], [-0.125, -2.5])
+    assert with_lookup_branch(children, [42, 43], [-0.0625] * 2)(1, 10) == ([10, 11], [-0.125, -2.5])
 
 
-def test_lookup_rates_count_trials_up_to_the_first_miss():
-    rates = LookupRates(prior=0.5, prior_count=2.0, decay=1.0)
-    rates.observe(2, proposed=[1, 2, 3, 4], target_tokens=[1, 2, 9, 4])  # 3 trials, 2 accepted
-    assert rates.rate(2) == pytest.approx((2 + 1) / (3 + 2))
+def test_lookup_rates_learn_per_depth_up_to_the_first_miss():
+    rates = LookupRates(priors=(0.5,) * 6, prior_count=2.0, decay=1.0)
+    rates.observe(2, proposed=[1, 2, 3, 4], target_tokens=[1, 2, 9, 4])  # depths 1, 2 hit; 3 misses; 4 untried
+    assert rates.rate(2, depth=1) == pytest.approx((1 + 1) / (1 + 2))
+    assert rates.rate(2, depth=2) == pytest.approx((1 + 1) / (1 + 2))
+    assert rates.rate(2, depth=3) == pytest.approx((0 + 1) / (1 + 2))
+    assert rates.rate(2, depth=4) == rates.rate(2, depth=3)  # one bucket for depths 3-4
     assert rates.rate(1) == pytest.approx(0.5)
+    # The branch is cut after the first token whose path probability drops below the floor.
+    assert rates.useful_length(2, 10, min_path_prob=0.4) == 3  # path probs 2/3, 4/9, then 4/27 (kept, last)
+    assert rates.useful_length(2, 10, min_path_prob=1e-9) == 10
 
 
 def test_scheduler_skips_the_drafter_only_when_that_is_faster():

@@ -23,7 +23,7 @@ from transformers.generation import GenerationMixin
 TREE_MODES = ("chain", "marginal_tree", "treeflash")
 BASELINES = ("autoregressive", "hf_assisted", "prompt_lookup", "hf_dflash")
 # "<mode>+lookup": the same mode with the lookup branch (`tree_lookup=LOOKUP_LENGTH`, see lookup.py).
-LOOKUP_SUFFIX, LOOKUP_LENGTH = "+lookup", 10
+LOOKUP_SUFFIX, LOOKUP_LENGTH = "+lookup", 32
 LOOKUP_MODES = ("treeflash+lookup", "auto+lookup")
 BASELINE_STYLES = {"autoregressive": ("black", ":"), "hf_assisted": ("tab:purple", "--"),
                    "prompt_lookup": ("tab:brown", "--"), "hf_dflash": ("tab:gray", "-."), "auto": ("tab:red", "-"),

@@ -212,9 +212,11 @@ class TreeFlashCandidateGenerator(CandidateGenerator):
         row_of = [{token: 1 + d * top_m + j for j, token in enumerate(row)} for d, row in enumerate(top.tolist())]
         return child_tokens, child_log_probs, row_of
 
-    def build_tree(self, block: BlockDraft, budget: int, lookup: tuple[list[int], float] | None = None) -> DraftTree:
+    def build_tree(
+        self, block: BlockDraft, budget: int, lookup: tuple[list[int], list[float]] | None = None
+    ) -> DraftTree:
         """Stage 3: the tree of at most `budget` nodes (root included) for the configured mode. `lookup` =
-        (tokens, log-prob per token) adds a lookup branch below the root (tree modes; see `lookup.py`)."""
+        (tokens, conditional log-prob of each) adds a lookup branch below the root (tree modes; `lookup.py`)."""
         max_depth = min(block.depth, budget - 1)
         mode = self.options.tree_mode
         if max_depth <= 0 or mode == "chain":

@@ -8,7 +8,6 @@ from __future__ import annotations
 import contextlib
 import functools
 import logging
-import math
 import time
 from dataclasses import dataclass, field
 
@@ -28,7 +27,7 @@ from .accept import choose_token, walk_tree
 from .budget import AutoBudget, verify_cost_curve
 from .cache import check_cache_supported, compact_cache
 from .draft import TreeFlashCandidateGenerator
-from .lookup import MAX_NGRAM, LookupScheduler, ngram_continuation
+from .lookup import MAX_NGRAM, MIN_PATH_PROB, LookupScheduler, ngram_continuation
 from .options import OPTION_NAMES, TreeOptions
 from .tree import chain_tree
 from .validation import (
@@ -158,17 +157,18 @@ def treeflash_decode(
         lookup_length = min(options.tree_lookup, remaining - 1, budget - 1)  # the budget counts the root
         if lookup_length > 0:
             lookup_tokens, ngram = ngram_continuation(sequence[0], MAX_NGRAM, lookup_length)
+            lookup_tokens = lookup_tokens[: lookup_schedule.rates.useful_length(ngram, len(lookup_tokens),
+                                                                               MIN_PATH_PROB)]
+        lookup_log_probs = lookup_schedule.rates.log_probs(ngram, len(lookup_tokens))
         lookup_only = lookup_schedule.lookup_only(ngram, len(lookup_tokens))
-        lookup_log_prob = math.log(lookup_schedule.rates.rate(ngram)) if lookup_tokens else 0.0
         if lookup_only:  # verify the lookup branch alone; the drafter catches up with the next draft
-            tree = chain_tree(root_token, torch.tensor(lookup_tokens),
-                              torch.full((len(lookup_tokens),), lookup_log_prob))
+            tree = chain_tree(root_token, torch.tensor(lookup_tokens), torch.tensor(lookup_log_probs))
         else:
             block = generator.draft(
                 root_token, root_position, new_context, max_depth=min(remaining, budget) - 1,
                 prev_token=int(sequence[0, -2]),
             )
-            branch = (lookup_tokens, lookup_log_prob) if lookup_tokens else None
+            branch = (lookup_tokens, lookup_log_probs) if lookup_tokens else None
             tree = generator.build_tree(block, budget, branch)
         if auto_budget is not None and not lookup_only:
             if target.device.type == "cuda":

@@ -10,6 +10,8 @@ accepted)`, estimated online per n-gram length. Verification is unchanged, so ou
 
 from __future__ import annotations
 
+import itertools
+import math
 from dataclasses import dataclass, field
 
 import torch
@@ -17,11 +19,17 @@ import torch
 from .tree import ChildList
 
 MAX_NGRAM = 3  # longest n-gram matched first (then shorter ones)
+# A proposed token whose path probability falls below this is the branch's last (see `useful_length`).
+MIN_PATH_PROB = 0.05
 
 
 def ngram_continuation(sequence: torch.LongTensor, max_ngram: int, length: int) -> tuple[list[int], int]:
     """The `length` tokens that followed the most recent earlier occurrence of the last n tokens of `sequence
-    [S]`, trying n = max_ngram down to 1. Returns (continuation, n), or ([], 0) when nothing matches."""
+    [S]`, trying n = max_ngram down to 1. Returns (continuation, n), or ([], 0) when nothing matches.
+
+    A match that ends `p` tokens before the sequence does is a copy at distance `p`; where the copied text runs
+    into the end of the sequence, the copy continues over its own output (as in LZ77), so text repeating with
+    period `p` yields a continuation of any length, not just `p` tokens."""
     sequence = sequence.cpu()
     total = sequence.shape[0]
     for n in range(min(max_ngram, total - 1), 0, -1):
@@ -29,59 +37,84 @@ def ngram_continuation(sequence: torch.LongTensor, max_ngram: int, length: int) 
         starts = (windows == sequence[total - n :]).all(dim=-1).nonzero()[:, 0]
         if starts.numel():
             begin = int(starts[-1]) + n
-            return sequence[begin : begin + length].tolist(), n
+            period = sequence[begin:total].tolist()
+            return (period * (length // len(period) + 1))[:length], n
     return [], 0
+
+
+def depth_bucket(depth: int) -> int:
+    """Depth 1, 2, 3-4, 5-8, 9-16, 17+ -> 0..5: a token deep in a matching run is likelier to match too."""
+    return min(5, (depth - 1).bit_length())
 
 
 @dataclass
 class LookupRates:
-    """Per n-gram length, the running probability that a proposed token is accepted when its parent was
-    (a Beta prior of `prior_count` pseudo-trials at `prior`, then exponentially weighted counts)."""
+    """Per (n-gram length, depth bucket), the running probability that a proposed token is accepted when its
+    parent was: a Beta prior of `prior_count` pseudo-trials at `priors[bucket]`, then exponentially weighted
+    counts. Deep buckets start optimistic (repeated text tends to keep repeating) and learn from every token
+    proposed there."""
 
-    prior: float = 0.5
+    priors: tuple[float, ...] = (0.5, 0.6, 0.7, 0.8, 0.85, 0.9)
     prior_count: float = 2.0
     decay: float = 0.98
-    successes: dict[int, float] = field(default_factory=dict)
-    trials: dict[int, float] = field(default_factory=dict)
+    successes: dict[tuple[int, int], float] = field(default_factory=dict)
+    trials: dict[tuple[int, int], float] = field(default_factory=dict)
 
-    def rate(self, ngram: int) -> float:
-        successes = self.successes.get(ngram, 0.0) + self.prior * self.prior_count
-        return successes / (self.trials.get(ngram, 0.0) + self.prior_count)
+    def rate(self, ngram: int, depth: int = 1) -> float:
+        key = (ngram, depth_bucket(depth))
+        successes = self.successes.get(key, 0.0) + self.priors[key[1]] * self.prior_count
+        return successes / (self.trials.get(key, 0.0) + self.prior_count)
+
+    def log_probs(self, ngram: int, length: int) -> list[float]:
+        """Conditional log-probability of each proposed token at depths 1..length."""
+        return [math.log(self.rate(ngram, depth)) for depth in range(1, length + 1)]
+
+    def useful_length(self, ngram: int, length: int, min_path_prob: float) -> int:
+        """How many of `length` proposed tokens to keep: up to the first whose path probability falls below
+        `min_path_prob`, that one included (so deeper rates keep being tried)."""
+        path = 0.0
+        for depth, log_prob in enumerate(self.log_probs(ngram, length), start=1):
+            path += log_prob
+            if path < math.log(min_path_prob):
+                return depth
+        return length
 
     def observe(self, ngram: int, proposed: list[int], target_tokens: list[int]) -> None:
         """`target_tokens`: the target's own tokens at depths 1, 2, ... (as far as verification reached). Each
-        proposed token whose predecessors all matched is one trial."""
-        successes = self.successes.get(ngram, 0.0) * self.decay
-        trials = self.trials.get(ngram, 0.0) * self.decay
-        for proposed_token, target_token in zip(proposed, target_tokens):
-            trials += 1
+        proposed token whose predecessors all matched is one trial at its depth."""
+        for key in [k for k in self.trials if k[0] == ngram]:
+            self.successes[key] *= self.decay
+            self.trials[key] *= self.decay
+        for depth, (proposed_token, target_token) in enumerate(zip(proposed, target_tokens), start=1):
+            key = (ngram, depth_bucket(depth))
+            self.trials[key] = self.trials.get(key, 0.0) + 1
+            self.successes.setdefault(key, 0.0)
             if proposed_token != target_token:
                 break
-            successes += 1
-        self.successes[ngram], self.trials[ngram] = successes, trials
+            self.successes[key] += 1
 
 
-def with_lookup_branch(children_of, lookup_tokens: list[int], log_prob: float):
+def with_lookup_branch(children_of, lookup_tokens: list[int], log_probs: list[float]):
     """Wrap a best-first `children_of(depth, token)` so that the lookup branch root -> lookup_tokens[0] -> ... is
     offered too: the node at depth i carrying `lookup_tokens[i-1]` (the root at depth 0) gets child
-    `lookup_tokens[i]` with log-prob at least `log_prob`. Children stay sorted by decreasing log-prob."""
+    `lookup_tokens[i]` with log-prob at least `log_probs[i]`. Children stay sorted by decreasing log-prob."""
 
     def children(depth: int, token: int) -> ChildList | None:
         base = children_of(depth, token)
         on_branch = depth < len(lookup_tokens) and (depth == 0 or lookup_tokens[depth - 1] == token)
         if not on_branch:
             return base
-        proposed = lookup_tokens[depth]
-        tokens, log_probs = (list(base[0]), list(base[1])) if base is not None else ([], [])
+        proposed, log_prob = lookup_tokens[depth], log_probs[depth]
+        tokens, values = (list(base[0]), list(base[1])) if base is not None else ([], [])
         if proposed in tokens:
             at = tokens.index(proposed)
-            if log_probs[at] >= log_prob:
+            if values[at] >= log_prob:
                 return base
-            del tokens[at], log_probs[at]
-        at = next((i for i, value in enumerate(log_probs) if value < log_prob), len(log_probs))
+            del tokens[at], values[at]
+        at = next((i for i, value in enumerate(values) if value < log_prob), len(values))
         tokens.insert(at, proposed)
-        log_probs.insert(at, log_prob)
-        return tokens, log_probs
+        values.insert(at, log_prob)
+        return tokens, values
 
     return children
 
@@ -91,7 +124,8 @@ class LookupScheduler:
     """Per step with a lookup branch, whether to verify the branch alone and skip the drafter (its forward and
     tree cost as much as a small target forward on a CPU) or to draft the full tree with the branch in it.
 
-    Expected tokens per second decide: the branch alone yields `1 + E_L` tokens (`E_L = sum_i rate^i`), the full
+    Expected tokens per second decide: the branch alone yields `1 + E_L` tokens (`E_L`: sum of its path
+    probabilities), the full
     tree `1 + E_L + gain`, where `gain` is what the drafter added on top of the branch on recent full steps;
     each costs its recent step time. Every `explore_every`-th eligible step drafts anyway, so `gain` stays current.
     Skipped drafts cost nothing later: the drafter receives the skipped positions' context with the next draft.
@@ -107,8 +141,7 @@ class LookupScheduler:
 
     def expected(self, ngram: int, length: int) -> float:
         """Expected accepted tokens of a lookup chain of `length` tokens from an n-gram match."""
-        rate = self.rates.rate(ngram)
-        return sum(rate**i for i in range(1, length + 1))
+        return sum(math.exp(p) for p in itertools.accumulate(self.rates.log_probs(ngram, length)))
 
     def lookup_only(self, ngram: int, length: int) -> bool:
         if not length:
