@@ -5,7 +5,7 @@ import pytest
 import torch
 
 from treeflash_hf import TreeFlashCandidateGenerator, TreeOptions, treeflash_generate
-from treeflash_hf.lookup import LookupRates, LookupScheduler, ngram_continuation, with_lookup_branch
+from treeflash_hf.lookup import LookupRates, StepScheduler, ngram_continuation, with_lookup_branch
 from treeflash_hf.testing import matching_drafter, random_target
 from treeflash_hf.tree import best_first_tree, table_children
 
@@ -61,17 +61,24 @@ def test_lookup_rates_learn_per_depth_up_to_the_first_miss():
 
 
 def test_scheduler_skips_the_drafter_only_when_that_is_faster():
-    scheduler = LookupScheduler(explore_every=1000)
-    assert not scheduler.lookup_only(ngram=2, length=4)  # nothing measured yet: draft
-    scheduler.observe(False, seconds=0.010, accepted=3, ngram=2, length=4)
-    assert scheduler.lookup_only(2, 4)  # full step measured, lookup-only not yet: try it
-    scheduler.observe(True, seconds=0.004, accepted=2, ngram=2, length=4)
+    scheduler = StepScheduler(explore_every=1000)
+    assert scheduler.choose(ngram=2, length=4) == "draft"  # nothing measured yet
+    scheduler.observe("draft", seconds=0.010, accepted=3, ngram=2, length=4)
+    assert scheduler.choose(2, 4) == "lookup"  # a draft step is measured, a lookup step not yet: try it
+    scheduler.observe("lookup", seconds=0.004, accepted=2, ngram=2, length=4)
     branch = 1 + scheduler.expected(2, 4)
-    full_rate = (branch + scheduler.drafter_gain) / 0.010
-    assert scheduler.lookup_only(2, 4) == (branch / 0.004 > full_rate)
+    faster_alone = branch / 0.004 > (branch + scheduler.drafter_gain) / 0.010
+    assert scheduler.choose(2, 4) == ("lookup" if faster_alone else "draft")
     scheduler.drafter_gain = 10.0  # the drafter adds a lot: drafting wins
-    assert not scheduler.lookup_only(2, 4)
-    assert not scheduler.lookup_only(2, 0)  # no branch, nothing to verify alone
+    assert scheduler.choose(2, 4) == "draft"
+    assert scheduler.choose(2, 0) == "draft"  # no branch, and plain steps are not allowed: draft
+    # Plain steps (auto budget only) win when the drafter's tokens are not worth its time.
+    auto = StepScheduler(allow_plain=True, explore_every=3)
+    auto.observe("draft", seconds=0.010, accepted=1, ngram=0, length=0)  # 2 tokens in 10 ms
+    assert auto.choose(0, 0) == "plain"  # untried
+    auto.observe("plain", seconds=0.004, accepted=0, ngram=0, length=0)  # 1 token in 4 ms
+    kinds = [auto.choose(0, 0) for _ in range(6)]
+    assert kinds == ["plain", "plain", "draft", "plain", "plain", "draft"]  # every 3rd undrafted step explores
 
 
 @pytest.fixture(scope="module")
@@ -91,14 +98,17 @@ class ContextCheckingGenerator(TreeFlashCandidateGenerator):
         return super().draft(anchor_token, anchor_position, new_context, max_depth, prev_token)
 
 
-@pytest.mark.parametrize("schedule", ["measured", "always_lookup_only"])
+@pytest.mark.parametrize("schedule", ["measured", "always_lookup", "lookup_or_plain"])
 @pytest.mark.parametrize("mode,budget", [("treeflash", 8), ("marginal_tree", 4), ("treeflash", "auto")])
 def test_greedy_output_with_lookup_is_the_targets(looping_pair, mode, budget, schedule, monkeypatch):
     target, drafter = looping_pair
-    if schedule == "always_lookup_only":
-        monkeypatch.setattr(LookupScheduler, "lookup_only", lambda self, ngram, length: length > 0)
+    if schedule == "always_lookup":
+        monkeypatch.setattr(StepScheduler, "choose", lambda self, ngram, length: "lookup" if length else "draft")
+    if schedule == "lookup_or_plain":  # every kind of step, the drafter skipped as often as possible
+        kinds = iter(["draft", "plain", "plain"] * 100)
+        monkeypatch.setattr(StepScheduler, "choose", lambda self, ngram, length: "lookup" if length else next(kinds))
     options = TreeOptions(tree_mode=mode, tree_budget=budget, tree_top_m=4, tree_top_k=4, tree_lookup=5)
-    lookup_only_steps = 0
+    skipped_steps = 0
     for prompt in ([[3, 1, 4, 1, 5]], [[2, 7, 1, 8, 2, 8]]):
         prompt = torch.tensor(prompt)
         reference = target.generate(prompt, max_new_tokens=40, do_sample=False)
@@ -106,10 +116,11 @@ def test_greedy_output_with_lookup_is_the_targets(looping_pair, mode, budget, sc
         out = treeflash_generate(target, drafter, prompt, max_new_tokens=40, candidate_generator=generator,
                                  tree_mode=mode, tree_budget=budget, tree_top_m=4, tree_top_k=4, tree_lookup=5)
         assert torch.equal(out.sequences, reference), (mode, budget, schedule)
-        lookup_only_steps += sum(out.lookup_only)
-        assert len(out.lookup_only) == len(out.accepted_lengths)
-    if schedule == "always_lookup_only":
-        assert lookup_only_steps > 0, "no step verified the lookup branch alone: the test would not exercise it"
+        skipped_steps += sum(kind != "draft" for kind in out.step_kinds)
+        assert len(out.step_kinds) == len(out.accepted_lengths)
+        assert all(size == 1 for size, kind in zip(out.tree_sizes, out.step_kinds) if kind == "plain")
+    if schedule != "measured":
+        assert skipped_steps > 0, "no step skipped the drafter: the test would not exercise it"
 
 
 def test_lookup_needs_a_tree_and_a_non_negative_length():

@@ -15,7 +15,7 @@ import torch
 from scipy.stats import chisquare
 
 from treeflash_hf import treeflash_generate
-from treeflash_hf.lookup import LookupScheduler
+from treeflash_hf.lookup import StepScheduler
 from treeflash_hf.testing import matching_drafter, random_target
 from transformers.generation.logits_process import LogitsProcessorList, TemperatureLogitsWarper, TopPLogitsWarper
 
@@ -81,7 +81,7 @@ def test_speculative_sampling_matches_target_distribution(peaked_pair, mode, bud
     branch alone (the drafter is skipped)."""
     target, drafter = peaked_pair
     if lookup == "only":
-        monkeypatch.setattr(LookupScheduler, "lookup_only", lambda self, ngram, length: length > 0)
+        monkeypatch.setattr(StepScheduler, "choose", lambda self, ngram, length: "lookup" if length else "draft")
         lookup = 3
     prompt = torch.tensor([[1, 4, 2]])
     expected = exact_joint(target, prompt, TEMPERATURE)

@@ -135,6 +135,14 @@ class AutoBudget:
         self.last_best = best
         return tree.prefix(best), float(expected[best - 1])
 
+    def choose_lookup(self, chain: DraftTree) -> DraftTree:
+        """The best prefix of a lookup branch verified alone (no drafting cost; its probabilities are already
+        calibrated by the lookup's own acceptance rates)."""
+        n_max = min(chain.size, self.max_size)
+        expected = torch.cat([torch.zeros(1), chain.path_log_probs[1:n_max].exp().cumsum(0)])
+        rate = (1 + expected) / self.cost[:n_max]
+        return chain.prefix(int(rate.argmax()) + 1)
+
     def build_size(self) -> int:
         """How big a tree to build before choosing its prefix: room to grow past the last choice."""
         return min(self.max_size, max(4, self.last_best + max(2, self.last_best // 2)))

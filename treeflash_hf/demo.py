@@ -55,7 +55,7 @@ def run(args: argparse.Namespace) -> int:
     identical = torch.equal(fast.sequences, plain)
     print("\n--- comparison (same process, after warm-up) ---")
     print(f"tau (tokens per target forward): {fast.tau:.2f} over {len(fast.accepted_lengths)} steps, "
-          f"{sum(fast.lookup_only)} of which verified the lookup branch alone (drafter skipped)")
+          f"{fast.step_kinds.count('lookup')} of which verified the lookup branch alone (drafter skipped)")
     print(f"TreeFlash: {new_fast / fast_s:7.1f} tokens/s   plain generate(): {new_plain / plain_s:7.1f} tokens/s")
     print(f"speedup: {(new_fast / fast_s) / (new_plain / plain_s):.2f}x")
     print(f"output identical to plain generate(): {'yes' if identical else 'NO'}")

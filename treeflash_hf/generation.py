@@ -27,7 +27,7 @@ from .accept import choose_token, walk_tree
 from .budget import AutoBudget, verify_cost_curve
 from .cache import check_cache_supported, compact_cache
 from .draft import TreeFlashCandidateGenerator
-from .lookup import MAX_NGRAM, MIN_PATH_PROB, LookupScheduler, ngram_continuation
+from .lookup import MAX_NGRAM, MIN_PATH_PROB, StepScheduler, ngram_continuation
 from .options import OPTION_NAMES, TreeOptions
 from .tree import chain_tree
 from .validation import (
@@ -47,12 +47,13 @@ logger = logging.getLogger(__name__)
 class TreeFlashStats:
     """Per verification step: `accepted_lengths` drafted tokens accepted (the bonus token not counted),
     `tree_sizes` nodes verified (root included), `expected_accepted_lengths` the drafter's own estimate,
-    `lookup_only` whether the step verified the lookup branch alone (drafter skipped)."""
+    `step_kinds` what the step verified: `"draft"` (the drafter's tree), `"lookup"` (the lookup branch alone) or
+    `"plain"` (the root alone); the last two skip the drafter."""
 
     accepted_lengths: list[int] = field(default_factory=list)
     tree_sizes: list[int] = field(default_factory=list)
     expected_accepted_lengths: list[float] = field(default_factory=list)
-    lookup_only: list[bool] = field(default_factory=list)
+    step_kinds: list[str] = field(default_factory=list)
 
     @property
     def tau(self) -> float:
@@ -65,12 +66,12 @@ class TreeFlashStats:
 @dataclass
 class TreeFlashGenerateOutput(GenerateDecoderOnlyOutput):
     """`GenerateDecoderOnlyOutput` plus per-step statistics: `accepted_lengths`, `tree_sizes`,
-    `expected_accepted_lengths`, `lookup_only` (lists, one entry per verification step) and `tau`."""
+    `expected_accepted_lengths`, `step_kinds` (lists, one entry per verification step) and `tau`."""
 
     accepted_lengths: list[int] | None = None
     tree_sizes: list[int] | None = None
     expected_accepted_lengths: list[float] | None = None
-    lookup_only: list[bool] | None = None
+    step_kinds: list[str] | None = None
     tau: float | None = None
 
 
@@ -133,7 +134,7 @@ def treeflash_decode(
     scores, raw_logits = [], []
     stats = TreeFlashStats()
     auto_budget = AutoBudget(verify_cost_curve(target)) if options.tree_budget == "auto" else None
-    lookup_schedule = LookupScheduler()
+    schedule = StepScheduler(allow_plain=auto_budget is not None)
 
     def emit(token: int, token_scores: torch.Tensor, token_raw: torch.Tensor) -> bool:
         """Commit one token; True when generation must stop."""
@@ -154,38 +155,44 @@ def treeflash_decode(
         drafting_started = time.perf_counter()
         budget = options.tree_budget if auto_budget is None else auto_budget.build_size()
         lookup_tokens, ngram = [], 0
-        lookup_length = min(options.tree_lookup, remaining - 1, budget - 1)  # the budget counts the root
+        # the budget counts the root; under "auto" a branch verified alone may be as long as auto allows
+        lookup_cap = budget if auto_budget is None else auto_budget.max_size
+        lookup_length = min(options.tree_lookup, remaining - 1, lookup_cap - 1)
         if lookup_length > 0:
             lookup_tokens, ngram = ngram_continuation(sequence[0], MAX_NGRAM, lookup_length)
-            lookup_tokens = lookup_tokens[: lookup_schedule.rates.useful_length(ngram, len(lookup_tokens),
-                                                                               MIN_PATH_PROB)]
-        lookup_log_probs = lookup_schedule.rates.log_probs(ngram, len(lookup_tokens))
-        lookup_only = lookup_schedule.lookup_only(ngram, len(lookup_tokens))
-        if lookup_only:  # verify the lookup branch alone; the drafter catches up with the next draft
+            lookup_tokens = lookup_tokens[: schedule.rates.useful_length(ngram, len(lookup_tokens), MIN_PATH_PROB)]
+        lookup_log_probs = schedule.rates.log_probs(ngram, len(lookup_tokens))
+        step_kind = schedule.choose(ngram, len(lookup_tokens))
+        if step_kind == "plain":  # the root alone; the drafter catches up with the next draft
+            tree = chain_tree(root_token, torch.zeros(0, dtype=torch.long), torch.zeros(0))
+        elif step_kind == "lookup":  # the lookup branch alone; likewise
             tree = chain_tree(root_token, torch.tensor(lookup_tokens), torch.tensor(lookup_log_probs))
+            if auto_budget is not None:
+                tree = auto_budget.choose_lookup(tree)
         else:
             block = generator.draft(
                 root_token, root_position, new_context, max_depth=min(remaining, budget) - 1,
                 prev_token=int(sequence[0, -2]),
             )
-            branch = (lookup_tokens, lookup_log_probs) if lookup_tokens else None
+            branch = (lookup_tokens[: budget - 1], lookup_log_probs[: budget - 1]) if lookup_tokens else None
             tree = generator.build_tree(block, budget, branch)
-        if auto_budget is not None and not lookup_only:
+        drafted = step_kind == "draft"
+        if auto_budget is not None and drafted:
             if target.device.type == "cuda":
                 torch.cuda.synchronize(target.device)
             tree, predicted = auto_budget.choose(tree, time.perf_counter() - drafting_started)
         logits, hidden_states = verify_tree(target, tree, cache, past_len, root_position, past_key_mask, layer_ids)
         accepted = walk_tree(tree, logits, sequence, logits_processor, do_sample)
         if lookup_tokens:
-            lookup_schedule.rates.observe(ngram, lookup_tokens, accepted.tokens)
-            lookup_schedule.observe(lookup_only, time.perf_counter() - drafting_started, len(accepted.path),
-                                    ngram, len(lookup_tokens))
-        if auto_budget is not None and not lookup_only:
+            schedule.rates.observe(ngram, lookup_tokens, accepted.tokens)
+        schedule.observe(step_kind, time.perf_counter() - drafting_started, len(accepted.path), ngram,
+                         len(lookup_tokens))
+        if auto_budget is not None and drafted:
             auto_budget.observe(predicted, len(accepted.path))
         stats.accepted_lengths.append(len(accepted.path))
         stats.tree_sizes.append(tree.size)
         stats.expected_accepted_lengths.append(tree.expected_accepted_len)
-        stats.lookup_only.append(lookup_only)
+        stats.step_kinds.append(step_kind)
         for token, token_scores, node in zip(accepted.tokens, accepted.scores, accepted.visited):
             finished = emit(token, token_scores, logits[node : node + 1])
             if finished:
@@ -195,7 +202,7 @@ def treeflash_decode(
         kept_nodes = torch.tensor([0] + accepted.path, dtype=torch.long, device=tree.tokens.device)
         compact_cache(cache, past_len, kept_nodes)
         kept_context = generator.context_features(hidden_states, kept_nodes.to(target.device))
-        new_context = torch.cat([new_context, kept_context], dim=1) if lookup_only else kept_context
+        new_context = kept_context if drafted else torch.cat([new_context, kept_context], dim=1)
         if past_key_mask is not None:
             past_key_mask = torch.cat([past_key_mask, past_key_mask.new_ones(kept_nodes.shape[0])])
         root_position += kept_nodes.shape[0]
@@ -213,7 +220,7 @@ def treeflash_decode(
         accepted_lengths=stats.accepted_lengths,
         tree_sizes=stats.tree_sizes,
         expected_accepted_lengths=stats.expected_accepted_lengths,
-        lookup_only=stats.lookup_only,
+        step_kinds=stats.step_kinds,
         tau=stats.tau,
     )
 

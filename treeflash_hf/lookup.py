@@ -120,51 +120,67 @@ def with_lookup_branch(children_of, lookup_tokens: list[int], log_probs: list[fl
 
 
 @dataclass
-class LookupScheduler:
-    """Per step with a lookup branch, whether to verify the branch alone and skip the drafter (its forward and
-    tree cost as much as a small target forward on a CPU) or to draft the full tree with the branch in it.
+class StepScheduler:
+    """What each decode step verifies, chosen by expected tokens per second:
 
-    Expected tokens per second decide: the branch alone yields `1 + E_L` tokens (`E_L`: sum of its path
-    probabilities), the full
-    tree `1 + E_L + gain`, where `gain` is what the drafter added on top of the branch on recent full steps;
-    each costs its recent step time. Every `explore_every`-th eligible step drafts anyway, so `gain` stays current.
-    Skipped drafts cost nothing later: the drafter receives the skipped positions' context with the next draft.
+    - `"draft"`: the drafter's tree, with the lookup branch in it when there is one;
+    - `"lookup"`: the lookup branch alone, skipping the drafter;
+    - `"plain"`: the root alone (one token, skipping the drafter); only when `allow_plain` (`tree_budget="auto"`,
+      where 1 is a budget like any other).
+
+    Tokens: a draft step yields `1 + E_L + gain` with a branch (`E_L`: sum of the branch's path probabilities;
+    `gain`: what the drafter added on top of the branch on recent draft steps), else `draft_tokens`, its recent
+    mean; a lookup step `1 + E_L`; a plain step 1. Seconds: each kind's recent step time. Each kind is tried
+    once before it is judged, and every `explore_every`-th step that would not draft drafts anyway, so the
+    drafter's figures stay current. Skipped drafts cost nothing later: the drafter receives the skipped
+    positions' context with its next draft.
     """
 
     rates: LookupRates = field(default_factory=LookupRates)
+    allow_plain: bool = False
     explore_every: int = 4
     smoothing: float = 0.8
-    full_seconds: float | None = None
-    lookup_seconds: float | None = None
+    seconds: dict[str, float] = field(default_factory=dict)
+    draft_tokens: float | None = None
     drafter_gain: float | None = None
-    eligible_steps: int = 0
+    undrafted_steps: int = 0
 
     def expected(self, ngram: int, length: int) -> float:
         """Expected accepted tokens of a lookup chain of `length` tokens from an n-gram match."""
         return sum(math.exp(p) for p in itertools.accumulate(self.rates.log_probs(ngram, length)))
 
-    def lookup_only(self, ngram: int, length: int) -> bool:
-        if not length:
-            return False
-        self.eligible_steps += 1
-        if self.full_seconds is None or self.drafter_gain is None:
-            return False  # learn the full step's time and gain first
-        if self.lookup_seconds is None:
-            return True
-        if self.eligible_steps % self.explore_every == 0:
-            return False
-        branch = 1 + self.expected(ngram, length)
-        return branch / self.lookup_seconds > (branch + self.drafter_gain) / self.full_seconds
+    def choose(self, ngram: int, length: int) -> str:
+        """The kind of the next step, given its lookup branch (n-gram length and branch length; 0, 0 if none)."""
+        branch = 1 + self.expected(ngram, length) if length else None
+        draft_tokens = branch + self.drafter_gain if branch and self.drafter_gain is not None else (
+            self.draft_tokens if not branch else None)
+        if "draft" not in self.seconds or draft_tokens is None:
+            return "draft"  # learn what a draft step yields first
+        tokens = {"draft": draft_tokens}
+        if branch:
+            tokens["lookup"] = branch
+        if self.allow_plain:
+            tokens["plain"] = 1.0
+        untried = [kind for kind in tokens if kind not in self.seconds]
+        if untried:
+            return untried[0]
+        best = max(tokens, key=lambda kind: tokens[kind] / self.seconds[kind])
+        if best != "draft":
+            self.undrafted_steps += 1
+            if self.undrafted_steps % self.explore_every == 0:
+                return "draft"
+        return best
 
-    def observe(self, lookup_only: bool, seconds: float, accepted: int, ngram: int, length: int) -> None:
+    def observe(self, kind: str, seconds: float, accepted: int, ngram: int, length: int) -> None:
         """One verified step: its kind, wall time (drafting to acceptance), accepted drafted tokens, and the
         n-gram and length of its lookup branch (0, 0 if none)."""
         def ema(old: float | None, new: float) -> float:
             return new if old is None else self.smoothing * old + (1 - self.smoothing) * new
 
-        if lookup_only:
-            self.lookup_seconds = ema(self.lookup_seconds, seconds)
+        self.seconds[kind] = ema(self.seconds.get(kind), seconds)
+        if kind != "draft":
             return
-        self.full_seconds = ema(self.full_seconds, seconds)
         if length:
             self.drafter_gain = ema(self.drafter_gain, accepted - self.expected(ngram, length))
+        else:
+            self.draft_tokens = ema(self.draft_tokens, 1 + accepted)

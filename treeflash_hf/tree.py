@@ -40,6 +40,10 @@ class DraftTree:
         """The first `n` nodes: a valid tree, since parents precede children."""
         return DraftTree(self.tokens[:n], self.parents[:n], self.depths[:n], self.path_log_probs[:n])
 
+    def is_chain(self) -> bool:
+        """True when every node's parent is the node before it (a linear draft, or the root alone)."""
+        return bool((self.parents[1:] == torch.arange(self.size - 1, device=self.parents.device)).all())
+
     def children(self) -> list[dict[int, int]]:
         """Per node, `{child token: child index}` (Python ints: the acceptance walk reads these)."""
         table: list[dict[int, int]] = [{} for _ in range(self.size)]

@@ -46,7 +46,10 @@ def verify_tree(
     device = target.device
     tokens = tree.tokens.to(device)[None]  # [1, N]
     position_ids = (root_position + tree.depths.to(device))[None]  # [1, N]
-    mask = tree_attention_mask(tree, past_key_mask, past_len, target.dtype).to(device)
+    if past_key_mask is None and tree.is_chain():
+        mask = None  # the causal mask the model builds itself is this tree's mask (cheaper, and exact)
+    else:
+        mask = tree_attention_mask(tree, past_key_mask, past_len, target.dtype).to(device)
     out = run_target(target, tokens, position_ids, mask, cache, target_layer_ids, logits_to_keep=0)
     return out.logits[0].float(), out.hidden_states
 
