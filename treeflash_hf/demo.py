@@ -54,8 +54,10 @@ def run(args: argparse.Namespace) -> int:
     new_plain = plain.shape[1] - inputs["input_ids"].shape[1]
     identical = torch.equal(fast.sequences, plain)
     print("\n--- comparison (same process, after warm-up) ---")
-    print(f"tau (tokens per target forward): {fast.tau:.2f} over {len(fast.accepted_lengths)} steps, "
-          f"{fast.step_kinds.count('lookup')} of which verified the lookup branch alone (drafter skipped)")
+    kinds = {kind: fast.step_kinds.count(kind) for kind in ("draft", "lookup", "plain")}
+    print(f"tau (tokens per target forward): {fast.tau:.2f} over {len(fast.accepted_lengths)} steps: "
+          f"{kinds['draft']} drafted, {kinds['lookup']} verified the lookup branch alone, {kinds['plain']} the root "
+          "alone")
     print(f"TreeFlash: {new_fast / fast_s:7.1f} tokens/s   plain generate(): {new_plain / plain_s:7.1f} tokens/s")
     print(f"speedup: {(new_fast / fast_s) / (new_plain / plain_s):.2f}x")
     print(f"output identical to plain generate(): {'yes' if identical else 'NO'}")
@@ -70,7 +72,7 @@ def add_parser(subparsers) -> None:
     parser.add_argument("--tokenizer", help="tokenizer folder (default: the target's)")
     parser.add_argument("--max-new-tokens", type=int, default=160)
     parser.add_argument("--mode", choices=["chain", "marginal_tree", "treeflash"])
-    parser.add_argument("--tree-budget", type=int)
+    parser.add_argument("--tree-budget", type=lambda v: v if v == "auto" else int(v), help='an integer or "auto"')
     parser.add_argument("--tree-lookup", type=int, help="lookup-branch length (0 = off; default: the drafter's)")
     parser.add_argument("--threads", type=int, default=2)
     parser.set_defaults(func=run)

@@ -221,7 +221,7 @@ def build(args: argparse.Namespace) -> int:
             num_key_value_heads=args.heads // 2, head_dim=args.hidden // args.heads, rope_theta=10000.0,
             block_size=args.block_size, mask_token_id=tokenizer.mask_token_id, num_target_layers=args.layers,
             target_layer_ids=target_layer_ids, ar_intermediate_size=2 * args.hidden, tree_budget=args.tree_budget,
-            tree_top_m=args.top_m, tree_top_k=args.top_k,
+            tree_top_m=args.top_m, tree_top_k=args.top_k, tree_lookup=args.tree_lookup,
         )
         torch.manual_seed(0)
         drafter = TreeFlashDrafterModel(config).to(device)
@@ -285,8 +285,9 @@ def add_parser(subparsers) -> None:
     b.add_argument("--backbone-minutes", type=float, default=15)
     b.add_argument("--ar-minutes", type=float, default=10)
     b.add_argument("--draft-lm-minutes", type=float, default=6)
-    b.add_argument("--tree-budget", type=int, default=8)
-    b.add_argument("--top-m", type=int, default=8)
+    b.add_argument("--tree-budget", type=lambda v: v if v == "auto" else int(v), default="auto")
+    b.add_argument("--top-m", type=int, default=4)
+    b.add_argument("--tree-lookup", type=int, default=32)
     b.add_argument("--top-k", type=int, default=8)
     b.add_argument("--half", action=argparse.BooleanOptionalAction, default=True)
     b.set_defaults(func=build)
