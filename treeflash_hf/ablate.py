@@ -36,7 +36,8 @@ def greedy_tau(target, drafter, prompts_ids, budget: int, max_new_tokens: int) -
     accepted, steps = 0, 0
     for ids in prompts_ids:
         out = target.generate(ids, assistant_model=drafter, max_new_tokens=max_new_tokens, do_sample=False,
-                              tree_mode="treeflash", tree_budget=budget, return_dict_in_generate=True)
+                              tree_mode="treeflash", tree_budget=budget, tree_lookup=0,  # the drafter alone
+                              return_dict_in_generate=True)
         accepted += sum(out.accepted_lengths)
         steps += len(out.accepted_lengths)
     return 1 + accepted / max(steps, 1)

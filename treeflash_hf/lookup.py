@@ -1,11 +1,12 @@
-"""A lookup branch for the draft tree (`tree_lookup`): what followed the last time the sequence ended this way.
+"""A lookup branch for the draft tree (`tree_lookup`), and the scheduler that decides what each step verifies.
 
 Code and chat repeat themselves (identifiers, call patterns, quoted text). The most recent earlier occurrence of
-the sequence's last n tokens proposes the tokens that followed it, as one more branch of the drafter's tree; the
-best-first search weighs it against the drafter's own nodes. Each proposed token carries `p = P(accepted | parent
-accepted)`, estimated online per n-gram length. Verification is unchanged, so output stays the target's own.
-
-`S` committed sequence length, `L` lookup length.
+the sequence's last n tokens proposes the tokens that followed it (`ngram_continuation`), as one more branch of
+the drafter's tree; the best-first search weighs it against the drafter's own nodes (`with_lookup_branch`). Each
+proposed token carries `P(accepted | parent accepted)`, learned online per n-gram length and depth
+(`LookupRates`). `StepScheduler` decides, per step and by measured tokens per second, whether to draft, to verify
+the branch alone, or (auto budget) to verify the root alone. Verification is unchanged, so the output stays the
+target's own.
 """
 
 from __future__ import annotations
