@@ -1,6 +1,8 @@
 """The TreeFlash decoding loop and its `generate()` integration.
 
-Pipeline per step (one target forward each): draft -> build tree -> verify -> accept -> commit caches.
+Pipeline per step (one target forward each): draft -> build tree -> verify -> accept -> commit caches. A step may
+skip the draft and verify the lookup branch or the root alone (`lookup.StepScheduler`); the drafter then receives
+the skipped positions' context with its next draft.
 """
 
 from __future__ import annotations
@@ -163,6 +165,8 @@ def treeflash_decode(
             lookup_tokens = lookup_tokens[: schedule.rates.useful_length(ngram, len(lookup_tokens), MIN_PATH_PROB)]
         lookup_log_probs = schedule.rates.log_probs(ngram, len(lookup_tokens))
         step_kind = schedule.choose(ngram, len(lookup_tokens))
+        if budget == 1:  # plain decoding asked for: nothing to draft
+            step_kind = "plain"
         if step_kind == "plain":  # the root alone; the drafter catches up with the next draft
             tree = chain_tree(root_token, torch.zeros(0, dtype=torch.long), torch.zeros(0))
         elif step_kind == "lookup":  # the lookup branch alone; likewise
