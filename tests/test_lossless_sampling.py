@@ -74,7 +74,7 @@ def chi_square_p(counts: dict, expected_probs: dict, total: int) -> float:
 @pytest.mark.parametrize(
     "mode,budget,lookup",
     [("treeflash", 4, 0), ("treeflash", 16, 0), ("marginal_tree", 3, 0), ("chain", 4, 0),
-     ("treeflash", 4, 3), ("treeflash", 4, "only")],
+     ("treeflash", 4, 3), ("treeflash", 4, "only"), ("treeflash", "auto", 3)],
 )
 def test_speculative_sampling_matches_target_distribution(peaked_pair, mode, budget, lookup, monkeypatch):
     """lookup: length of the lookup branch in the tree, or "only": every step with a match verifies the lookup
