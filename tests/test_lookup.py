@@ -5,7 +5,14 @@ import pytest
 import torch
 
 from treeflash_hf import TreeFlashCandidateGenerator, TreeOptions, treeflash_generate
-from treeflash_hf.lookup import LookupRates, StepScheduler, ngram_continuation, with_lookup_branch
+from treeflash_hf.lookup import (
+    LookupRates,
+    StepScheduler,
+    expected_accepted,
+    ngram_continuation,
+    useful_length,
+    with_lookup_branch,
+)
 from treeflash_hf.testing import matching_drafter, random_target
 from treeflash_hf.tree import best_first_tree, table_children
 
@@ -56,28 +63,29 @@ def test_lookup_rates_learn_per_depth_up_to_the_first_miss():
     assert rates.rate(2, depth=4) == rates.rate(2, depth=3)  # one bucket for depths 3-4
     assert rates.rate(1) == pytest.approx(0.5)
     # The branch is cut after the first token whose path probability drops below the floor.
-    assert rates.useful_length(2, 10, min_path_prob=0.4) == 3  # path probs 2/3, 4/9, then 4/27 (kept, last)
-    assert rates.useful_length(2, 10, min_path_prob=1e-9) == 10
+    assert useful_length(rates.log_probs(2, 10), min_path_prob=0.4) == 3  # path probs 2/3, 4/9, 4/27 (kept)
+    assert useful_length(rates.log_probs(2, 10), min_path_prob=1e-9) == 10
 
 
 def test_scheduler_skips_the_drafter_only_when_that_is_faster():
     scheduler = StepScheduler(explore_every=1000)
-    assert scheduler.choose(ngram=2, length=4) == "draft"  # nothing measured yet
-    scheduler.observe("draft", seconds=0.010, accepted=3, ngram=2, length=4)
-    assert scheduler.choose(2, 4) == "lookup"  # a draft step is measured, a lookup step not yet: try it
-    scheduler.observe("lookup", seconds=0.004, accepted=2, ngram=2, length=4)
-    branch = 1 + scheduler.expected(2, 4)
+    expected = expected_accepted(LookupRates().log_probs(2, 4))  # a 4-token branch from a bigram match
+    assert scheduler.choose(expected) == "draft"  # nothing measured yet
+    scheduler.observe("draft", seconds=0.010, accepted=3, branch_expected=expected)
+    assert scheduler.choose(expected) == "lookup"  # a draft step is measured, a lookup step not yet: try it
+    scheduler.observe("lookup", seconds=0.004, accepted=2, branch_expected=expected)
+    branch = 1 + expected
     faster_alone = branch / 0.004 > (branch + scheduler.drafter_gain) / 0.010
-    assert scheduler.choose(2, 4) == ("lookup" if faster_alone else "draft")
+    assert scheduler.choose(expected) == ("lookup" if faster_alone else "draft")
     scheduler.drafter_gain = 10.0  # the drafter adds a lot: drafting wins
-    assert scheduler.choose(2, 4) == "draft"
-    assert scheduler.choose(2, 0) == "draft"  # no branch, and plain steps are not allowed: draft
+    assert scheduler.choose(expected) == "draft"
+    assert scheduler.choose(None) == "draft"  # no branch, and plain steps are not allowed: draft
     # Plain steps (auto budget only) win when the drafter's tokens are not worth its time.
     auto = StepScheduler(allow_plain=True, explore_every=3)
-    auto.observe("draft", seconds=0.010, accepted=1, ngram=0, length=0)  # 2 tokens in 10 ms
-    assert auto.choose(0, 0) == "plain"  # untried
-    auto.observe("plain", seconds=0.004, accepted=0, ngram=0, length=0)  # 1 token in 4 ms
-    kinds = [auto.choose(0, 0) for _ in range(6)]
+    auto.observe("draft", seconds=0.010, accepted=1, branch_expected=None)  # 2 tokens in 10 ms
+    assert auto.choose(None) == "plain"  # untried
+    auto.observe("plain", seconds=0.004, accepted=0, branch_expected=None)  # 1 token in 4 ms
+    kinds = [auto.choose(None) for _ in range(6)]
     assert kinds == ["plain", "plain", "draft", "plain", "plain", "draft"]  # every 3rd undrafted step explores
 
 
@@ -103,10 +111,10 @@ class ContextCheckingGenerator(TreeFlashCandidateGenerator):
 def test_greedy_output_with_lookup_is_the_targets(looping_pair, mode, budget, schedule, monkeypatch):
     target, drafter = looping_pair
     if schedule == "always_lookup":
-        monkeypatch.setattr(StepScheduler, "choose", lambda self, ngram, length: "lookup" if length else "draft")
+        monkeypatch.setattr(StepScheduler, "choose", lambda self, branch: "draft" if branch is None else "lookup")
     if schedule == "lookup_or_plain":  # every kind of step, the drafter skipped as often as possible
         kinds = iter(["draft", "plain", "plain"] * 100)
-        monkeypatch.setattr(StepScheduler, "choose", lambda self, ngram, length: "lookup" if length else next(kinds))
+        monkeypatch.setattr(StepScheduler, "choose", lambda self, branch: next(kinds) if branch is None else "lookup")
     options = TreeOptions(tree_mode=mode, tree_budget=budget, tree_top_m=4, tree_top_k=4, tree_lookup=5)
     skipped_steps = 0
     for prompt in ([[3, 1, 4, 1, 5]], [[2, 7, 1, 8, 2, 8]]):

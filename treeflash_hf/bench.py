@@ -265,7 +265,8 @@ def parse_methods(modes: list[str], budgets: list[int]) -> list[Method]:
     methods = []
     for mode in modes:
         base = mode.removesuffix(LOOKUP_SUFFIX)
-        if base in TREE_MODES and not (base == "chain" and base != mode):  # a chain has no branch to add
+        with_lookup = base != mode
+        if base in TREE_MODES and not (with_lookup and base == "chain"):  # a chain has no branch to add to
             methods.extend(Method(mode, budget) for budget in budgets)
         elif base == "auto":
             methods.append(Method(mode, "auto"))

@@ -124,24 +124,33 @@ class AutoBudget:
         size = float(tree.size)
         self.fit.mul_(self.smoothing).add_(torch.tensor([1.0, size, drafting_seconds, size * size,
                                                          size * drafting_seconds], dtype=torch.float64))
-        n_max = min(tree.size, self.max_size)
-        expected = torch.cat([torch.zeros(1), tree.path_log_probs[1:n_max].exp().cumsum(0)])  # E_n, n = 1..n_max
         self.steps += 1
         if self.steps % self.explore_every == 0:
-            return tree.prefix(n_max), float(expected[-1])
-        sizes = torch.arange(1, n_max + 1)
-        rate = (1 + self.calibration * expected) / (self.cost[:n_max] + self.drafting_cost(sizes))
-        best = int(rate.argmax()) + 1
+            n_max = min(tree.size, self.max_size)
+            return tree.prefix(n_max), float(self.prefix_expected(tree, n_max)[-1])
+        best, predicted = self.best_prefix(tree, self.calibration, self.drafting_cost)
         self.last_best = best
-        return tree.prefix(best), float(expected[best - 1])
+        return tree.prefix(best), predicted
 
     def choose_lookup(self, chain: DraftTree) -> DraftTree:
         """The best prefix of a lookup branch verified alone (no drafting cost; its probabilities are already
         calibrated by the lookup's own acceptance rates)."""
-        n_max = min(chain.size, self.max_size)
-        expected = torch.cat([torch.zeros(1), chain.path_log_probs[1:n_max].exp().cumsum(0)])
-        rate = (1 + expected) / self.cost[:n_max]
-        return chain.prefix(int(rate.argmax()) + 1)
+        return chain.prefix(self.best_prefix(chain, 1.0, torch.zeros_like)[0])
+
+    @staticmethod
+    def prefix_expected(tree: DraftTree, n_max: int) -> torch.Tensor:
+        """`[n_max]`: E_n, the drafter's expected accepted tokens of the first n nodes, n = 1..n_max."""
+        return torch.cat([torch.zeros(1), tree.path_log_probs[1:n_max].exp().cumsum(0)])
+
+    def best_prefix(self, tree: DraftTree, calibration: float, extra_cost) -> tuple[int, float]:
+        """(n, predicted accepted tokens) of the prefix maximising `(1 + calibration * E_n) / (c(n) + extra)`,
+        where `extra_cost(sizes)` adds per-size seconds (e.g. drafting)."""
+        n_max = min(tree.size, self.max_size)
+        expected = self.prefix_expected(tree, n_max)
+        sizes = torch.arange(1, n_max + 1)
+        rate = (1 + calibration * expected) / (self.cost[:n_max] + extra_cost(sizes))
+        best = int(rate.argmax()) + 1
+        return best, float(expected[best - 1])
 
     def build_size(self) -> int:
         """How big a tree to build before choosing its prefix: room to grow past the last choice."""

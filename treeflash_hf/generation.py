@@ -29,7 +29,15 @@ from .accept import choose_token, walk_tree
 from .budget import AutoBudget, verify_cost_curve
 from .cache import check_cache_supported, compact_cache
 from .draft import TreeFlashCandidateGenerator
-from .lookup import MAX_NGRAM, MIN_PATH_PROB, StepScheduler, ngram_continuation
+from .lookup import (
+    MAX_NGRAM,
+    MIN_PATH_PROB,
+    LookupRates,
+    StepScheduler,
+    expected_accepted,
+    ngram_continuation,
+    useful_length,
+)
 from .options import OPTION_NAMES, TreeOptions
 from .tree import chain_tree
 from .validation import (
@@ -136,6 +144,7 @@ def treeflash_decode(
     scores, raw_logits = [], []
     stats = TreeFlashStats()
     auto_budget = AutoBudget(verify_cost_curve(target)) if options.tree_budget == "auto" else None
+    lookup_rates = LookupRates()
     schedule = StepScheduler(allow_plain=auto_budget is not None)
 
     def emit(token: int, token_scores: torch.Tensor, token_raw: torch.Tensor) -> bool:
@@ -156,15 +165,18 @@ def treeflash_decode(
         past_len = cache.get_seq_length()
         drafting_started = time.perf_counter()
         budget = options.tree_budget if auto_budget is None else auto_budget.build_size()
-        lookup_tokens, ngram = [], 0
+        lookup_tokens, ngram, lookup_log_probs, branch_expected = [], 0, [], None
         # the budget counts the root; under "auto" a branch verified alone may be as long as auto allows
         lookup_cap = budget if auto_budget is None else auto_budget.max_size
         lookup_length = min(options.tree_lookup, remaining - 1, lookup_cap - 1)
         if lookup_length > 0:
             lookup_tokens, ngram = ngram_continuation(sequence[0], MAX_NGRAM, lookup_length)
-            lookup_tokens = lookup_tokens[: schedule.rates.useful_length(ngram, len(lookup_tokens), MIN_PATH_PROB)]
-        lookup_log_probs = schedule.rates.log_probs(ngram, len(lookup_tokens))
-        step_kind = schedule.choose(ngram, len(lookup_tokens))
+        if lookup_tokens:
+            lookup_log_probs = lookup_rates.log_probs(ngram, len(lookup_tokens))
+            keep = useful_length(lookup_log_probs, MIN_PATH_PROB)
+            lookup_tokens, lookup_log_probs = lookup_tokens[:keep], lookup_log_probs[:keep]
+            branch_expected = expected_accepted(lookup_log_probs)
+        step_kind = schedule.choose(branch_expected)
         if budget == 1:  # plain decoding asked for: nothing to draft
             step_kind = "plain"
         if step_kind == "plain":  # the root alone; the drafter catches up with the next draft
@@ -188,9 +200,8 @@ def treeflash_decode(
         logits, hidden_states = verify_tree(target, tree, cache, past_len, root_position, past_key_mask, layer_ids)
         accepted = walk_tree(tree, logits, sequence, logits_processor, do_sample)
         if lookup_tokens:
-            schedule.rates.observe(ngram, lookup_tokens, accepted.tokens)
-        schedule.observe(step_kind, time.perf_counter() - drafting_started, len(accepted.path), ngram,
-                         len(lookup_tokens))
+            lookup_rates.observe(ngram, lookup_tokens, accepted.tokens)
+        schedule.observe(step_kind, time.perf_counter() - drafting_started, len(accepted.path), branch_expected)
         if auto_budget is not None and drafted:
             auto_budget.observe(predicted, len(accepted.path))
         stats.accepted_lengths.append(len(accepted.path))

@@ -70,16 +70,6 @@ class LookupRates:
         """Conditional log-probability of each proposed token at depths 1..length."""
         return [math.log(self.rate(ngram, depth)) for depth in range(1, length + 1)]
 
-    def useful_length(self, ngram: int, length: int, min_path_prob: float) -> int:
-        """How many of `length` proposed tokens to keep: up to the first whose path probability falls below
-        `min_path_prob`, that one included (so deeper rates keep being tried)."""
-        path = 0.0
-        for depth, log_prob in enumerate(self.log_probs(ngram, length), start=1):
-            path += log_prob
-            if path < math.log(min_path_prob):
-                return depth
-        return length
-
     def observe(self, ngram: int, proposed: list[int], target_tokens: list[int]) -> None:
         """`target_tokens`: the target's own tokens at depths 1, 2, ... (as far as verification reached). Each
         proposed token whose predecessors all matched is one trial at its depth."""
@@ -93,6 +83,20 @@ class LookupRates:
             if proposed_token != target_token:
                 break
             self.successes[key] += 1
+
+
+def useful_length(log_probs: list[float], min_path_prob: float) -> int:
+    """How many tokens of a branch with conditional `log_probs` to keep: up to the first whose path probability
+    falls below `min_path_prob`, that one included (so deeper rates keep being tried)."""
+    for depth, path in enumerate(itertools.accumulate(log_probs), start=1):
+        if path < math.log(min_path_prob):
+            return depth
+    return len(log_probs)
+
+
+def expected_accepted(log_probs: list[float]) -> float:
+    """Expected accepted tokens of a chain with conditional `log_probs`: the sum of its path probabilities."""
+    return sum(math.exp(path) for path in itertools.accumulate(log_probs))
 
 
 def with_lookup_branch(children_of, lookup_tokens: list[int], log_probs: list[float]):
@@ -129,15 +133,14 @@ class StepScheduler:
     - `"plain"`: the root alone (one token, skipping the drafter); only when `allow_plain` (`tree_budget="auto"`,
       where 1 is a budget like any other).
 
-    Tokens: a draft step yields `1 + E_L + gain` with a branch (`E_L`: sum of the branch's path probabilities;
-    `gain`: what the drafter added on top of the branch on recent draft steps), else `draft_tokens`, its recent
-    mean; a lookup step `1 + E_L`; a plain step 1. Seconds: each kind's recent step time. Each kind is tried
+    Tokens: a draft step yields `1 + E_L + gain` with a branch (`E_L`: the branch's expected accepted tokens,
+    `expected_accepted`; `gain`: what the drafter added on top of the branch on recent draft steps), else
+    `draft_tokens`, its recent mean; a lookup step `1 + E_L`; a plain step 1. Seconds: each kind's recent step time. Each kind is tried
     once before it is judged, and every `explore_every`-th step that would not draft drafts anyway, so the
     drafter's figures stay current. Skipped drafts cost nothing later: the drafter receives the skipped
     positions' context with its next draft.
     """
 
-    rates: LookupRates = field(default_factory=LookupRates)
     allow_plain: bool = False
     explore_every: int = 4
     smoothing: float = 0.8
@@ -146,20 +149,17 @@ class StepScheduler:
     drafter_gain: float | None = None
     undrafted_steps: int = 0
 
-    def expected(self, ngram: int, length: int) -> float:
-        """Expected accepted tokens of a lookup chain of `length` tokens from an n-gram match."""
-        return sum(math.exp(p) for p in itertools.accumulate(self.rates.log_probs(ngram, length)))
-
-    def choose(self, ngram: int, length: int) -> str:
-        """The kind of the next step, given its lookup branch (n-gram length and branch length; 0, 0 if none)."""
-        branch = 1 + self.expected(ngram, length) if length else None
-        draft_tokens = branch + self.drafter_gain if branch and self.drafter_gain is not None else (
-            self.draft_tokens if not branch else None)
+    def choose(self, branch_expected: float | None) -> str:
+        """The kind of the next step, given its lookup branch's expected accepted tokens (None: no branch)."""
+        if branch_expected is None:
+            draft_tokens = self.draft_tokens
+        else:
+            draft_tokens = None if self.drafter_gain is None else 1 + branch_expected + self.drafter_gain
         if "draft" not in self.seconds or draft_tokens is None:
             return "draft"  # learn what a draft step yields first
         tokens = {"draft": draft_tokens}
-        if branch:
-            tokens["lookup"] = branch
+        if branch_expected is not None:
+            tokens["lookup"] = 1 + branch_expected
         if self.allow_plain:
             tokens["plain"] = 1.0
         untried = [kind for kind in tokens if kind not in self.seconds]
@@ -172,16 +172,16 @@ class StepScheduler:
                 return "draft"
         return best
 
-    def observe(self, kind: str, seconds: float, accepted: int, ngram: int, length: int) -> None:
-        """One verified step: its kind, wall time (drafting to acceptance), accepted drafted tokens, and the
-        n-gram and length of its lookup branch (0, 0 if none)."""
+    def observe(self, kind: str, seconds: float, accepted: int, branch_expected: float | None) -> None:
+        """One verified step: its kind, wall time (drafting to acceptance), accepted drafted tokens, and its
+        lookup branch's expected accepted tokens (None: no branch)."""
         def ema(old: float | None, new: float) -> float:
             return new if old is None else self.smoothing * old + (1 - self.smoothing) * new
 
         self.seconds[kind] = ema(self.seconds.get(kind), seconds)
         if kind != "draft":
             return
-        if length:
-            self.drafter_gain = ema(self.drafter_gain, accepted - self.expected(ngram, length))
-        else:
+        if branch_expected is None:
             self.draft_tokens = ema(self.draft_tokens, 1 + accepted)
+        else:
+            self.drafter_gain = ema(self.drafter_gain, accepted - branch_expected)
