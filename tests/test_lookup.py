@@ -85,8 +85,14 @@ def test_scheduler_skips_the_drafter_only_when_that_is_faster():
     auto.observe("draft", seconds=0.010, accepted=1, branch_expected=None)  # 2 tokens in 10 ms
     assert auto.choose(None) == "plain"  # untried
     auto.observe("plain", seconds=0.004, accepted=0, branch_expected=None)  # 1 token in 4 ms
-    kinds = [auto.choose(None) for _ in range(6)]
-    assert kinds == ["plain", "plain", "draft", "plain", "plain", "draft"]  # every 3rd undrafted step explores
+    kinds = [auto.choose(None) for _ in range(10)]
+    # the 3rd undrafted step explores; drafting still loses, so the next exploration waits twice as long
+    assert kinds == ["plain", "plain", "draft"] + ["plain"] * 5 + ["draft", "plain"]
+    auto.drafter_gain = None
+    auto.draft_tokens = 10.0  # the drafter now yields 10 tokens per 10 ms: drafting wins, the interval resets
+    assert auto.choose(None) == "draft"
+    auto.draft_tokens = 2.0
+    assert [auto.choose(None) for _ in range(3)] == ["plain", "plain", "draft"]
 
 
 @pytest.fixture(scope="module")

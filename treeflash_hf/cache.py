@@ -27,9 +27,11 @@ def compact_cache(cache, past_len: int, accepted_nodes: torch.LongTensor) -> Non
     """The cache holds `past_len` committed positions followed by the `N` tree nodes. Keep the past, then the
     nodes `accepted_nodes [L]` (root first, tree indices), in that order; drop the rest. In place, exact: a node's
     K/V under the tree mask equal its K/V on the linear path."""
+    new_len = past_len + accepted_nodes.shape[0]
+    contiguous = accepted_nodes.tolist() == list(range(accepted_nodes.shape[0]))
+    if contiguous and cache.get_seq_length() == new_len:
+        return  # the whole verified chain was kept (a plain step, or every drafted token accepted)
     keep = accepted_nodes.to(cache.layers[0].keys.device) + past_len
-    new_len = past_len + keep.shape[0]
-    contiguous = bool((keep == torch.arange(past_len, new_len, device=keep.device)).all())
     for layer in cache.layers:
         if not contiguous:
             layer.keys[..., past_len:new_len, :] = layer.keys[..., keep, :]

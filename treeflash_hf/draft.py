@@ -96,6 +96,7 @@ class TreeFlashCandidateGenerator(CandidateGenerator):
         # so AR rows are scored on the marginal's top `ar_shortlist` tokens of their depth (see `Shortlist`);
         # None scores the full vocabulary (the default on accelerators, where a big product is nearly free).
         self.ar_shortlist: int | None = 64 if drafter.device.type == "cpu" else None
+        self.device = drafter.device  # read once: a model's `device` property walks its parameters
         # transformers' assisted loop merges this into the target's forward kwargs.
         self.model_kwargs_overrides = {"output_hidden_states": [i + 1 for i in self.target_layer_ids]}
         self._stock_prefilled = False
@@ -116,7 +117,7 @@ class TreeFlashCandidateGenerator(CandidateGenerator):
     ) -> BlockDraft:
         """Append `new_context [1, C, n*H]` (positions `anchor_position - C .. anchor_position - 1`) to the drafter
         cache and draft the block anchored at `anchor_token`. Only depths `1..max_depth` are scored."""
-        device = self.drafter.device
+        device = self.device
         q_len = self.block_size
         noise_ids = torch.full((1, q_len), self.mask_token_id, dtype=torch.long, device=device)
         noise_ids[0, 0] = anchor_token

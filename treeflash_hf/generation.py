@@ -26,14 +26,12 @@ from transformers.generation.stopping_criteria import EosTokenCriteria, MaxLengt
 from transformers.generation.utils import GenerateDecoderOnlyOutput
 
 from .accept import choose_token, walk_tree
-from .budget import AutoBudget, verify_cost_curve
 from .cache import check_cache_supported, compact_cache
 from .draft import TreeFlashCandidateGenerator
+from .learned import learned_state
 from .lookup import (
     MAX_NGRAM,
     MIN_PATH_PROB,
-    LookupRates,
-    StepScheduler,
     expected_accepted,
     ngram_continuation,
     useful_length,
@@ -124,6 +122,7 @@ def treeflash_decode(
     keep_logits = return_dict and bool(generation_config.output_logits)
     generator = candidate_generator or TreeFlashCandidateGenerator(drafter, target, options)
     layer_ids = generator.target_layer_ids
+    device = target.get_input_embeddings().weight.device  # where the target's inputs and outputs live
 
     # Padding (batch 1 with a mask that has zeros) is honoured through a key mask over the committed past.
     past_key_mask = None
@@ -143,9 +142,8 @@ def treeflash_decode(
     sequence = input_ids
     scores, raw_logits = [], []
     stats = TreeFlashStats()
-    auto_budget = AutoBudget(verify_cost_curve(target)) if options.tree_budget == "auto" else None
-    lookup_rates = LookupRates()
-    schedule = StepScheduler(allow_plain=auto_budget is not None)
+    learned = learned_state(drafter, target, options, generation_config)  # carried over from earlier calls
+    auto_budget, lookup_rates, schedule = learned.auto_budget, learned.lookup_rates, learned.schedule
 
     def emit(token: int, token_scores: torch.Tensor, token_raw: torch.Tensor) -> bool:
         """Commit one token; True when generation must stop."""
@@ -194,8 +192,8 @@ def treeflash_decode(
             tree = generator.build_tree(block, budget, branch)
         drafted = step_kind == "draft"
         if auto_budget is not None and drafted:
-            if target.device.type == "cuda":
-                torch.cuda.synchronize(target.device)
+            if device.type == "cuda":
+                torch.cuda.synchronize(device)
             tree, predicted = auto_budget.choose(tree, time.perf_counter() - drafting_started)
         logits, hidden_states = verify_tree(target, tree, cache, past_len, root_position, past_key_mask, layer_ids)
         accepted = walk_tree(tree, logits, sequence, logits_processor, do_sample)
@@ -216,7 +214,7 @@ def treeflash_decode(
             break
         kept_nodes = torch.tensor([0] + accepted.path, dtype=torch.long, device=tree.tokens.device)
         compact_cache(cache, past_len, kept_nodes)
-        kept_context = generator.context_features(hidden_states, kept_nodes.to(target.device))
+        kept_context = generator.context_features(hidden_states, kept_nodes.to(device))
         new_context = kept_context if drafted else torch.cat([new_context, kept_context], dim=1)
         if past_key_mask is not None:
             past_key_mask = torch.cat([past_key_mask, past_key_mask.new_ones(kept_nodes.shape[0])])
@@ -276,8 +274,9 @@ def treeflash_generate(
     criteria.extend(stopping_criteria or [])
     if eos_token_id is not None:
         criteria.append(EosTokenCriteria(eos_token_id))
+    sampling = {"temperature": temperature, "top_k": top_k, "top_p": top_p} if do_sample else {}
     config = GenerationConfig(
-        do_sample=do_sample, max_length=input_ids.shape[1] + max_new_tokens, return_dict_in_generate=True
+        do_sample=do_sample, max_length=input_ids.shape[1] + max_new_tokens, return_dict_in_generate=True, **sampling
     )
     options = TreeOptions.resolve(drafter, tree_options)
     return treeflash_decode(

@@ -17,8 +17,8 @@ import torch
 
 PACKAGE_DIR = Path(__file__).resolve().parent
 CARD_TEMPLATE = PACKAGE_DIR.parent / "hub_cards" / "treeflash_drafter.md"
-ENGINE_MODULES = ("accept", "budget", "cache", "draft", "generation", "lookup", "options", "tree", "validation",
-                  "verify")
+ENGINE_MODULES = ("accept", "budget", "cache", "draft", "generation", "learned", "lookup", "options", "tree",
+                  "validation", "verify")
 REQUIRED_CONFIG_FIELDS = ("model_type", "hidden_size", "vocab_size", "block_size", "mask_token_id",
                           "target_layer_ids", "num_target_layers", "auto_map")
 

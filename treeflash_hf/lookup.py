@@ -135,19 +135,23 @@ class StepScheduler:
 
     Tokens: a draft step yields `1 + E_L + gain` with a branch (`E_L`: the branch's expected accepted tokens,
     `expected_accepted`; `gain`: what the drafter added on top of the branch on recent draft steps), else
-    `draft_tokens`, its recent mean; a lookup step `1 + E_L`; a plain step 1. Seconds: each kind's recent step time. Each kind is tried
-    once before it is judged, and every `explore_every`-th step that would not draft drafts anyway, so the
-    drafter's figures stay current. Skipped drafts cost nothing later: the drafter receives the skipped
-    positions' context with its next draft.
+    `draft_tokens`, its recent mean; a lookup step `1 + E_L`; a plain step 1. Seconds: each kind's recent step
+    time. Each kind is tried once before it is judged. While drafting loses, a draft step is still taken after
+    every `explore_every` undrafted steps, so the drafter's figures stay current; each such step that does not
+    change the verdict doubles that interval (up to `max_explore_every`), and a step where drafting wins resets
+    it. Skipped drafts cost nothing later: the drafter receives the skipped positions' context with its next
+    draft.
     """
 
     allow_plain: bool = False
     explore_every: int = 4
+    max_explore_every: int = 64
     smoothing: float = 0.8
     seconds: dict[str, float] = field(default_factory=dict)
     draft_tokens: float | None = None
     drafter_gain: float | None = None
     undrafted_steps: int = 0
+    explore_interval: int | None = None  # current interval; None: `explore_every`
 
     def choose(self, branch_expected: float | None) -> str:
         """The kind of the next step, given its lookup branch's expected accepted tokens (None: no branch)."""
@@ -166,10 +170,15 @@ class StepScheduler:
         if untried:
             return untried[0]
         best = max(tokens, key=lambda kind: tokens[kind] / self.seconds[kind])
-        if best != "draft":
-            self.undrafted_steps += 1
-            if self.undrafted_steps % self.explore_every == 0:
-                return "draft"
+        interval = self.explore_interval or self.explore_every
+        if best == "draft":
+            self.undrafted_steps, self.explore_interval = 0, self.explore_every
+            return best
+        self.undrafted_steps += 1
+        if self.undrafted_steps >= interval:
+            self.undrafted_steps = 0
+            self.explore_interval = min(self.max_explore_every, 2 * interval)
+            return "draft"
         return best
 
     def observe(self, kind: str, seconds: float, accepted: int, branch_expected: float | None) -> None:

@@ -42,7 +42,8 @@ class DraftTree:
 
     def is_chain(self) -> bool:
         """True when every node's parent is the node before it (a linear draft, or the root alone)."""
-        return bool((self.parents[1:] == torch.arange(self.size - 1, device=self.parents.device)).all())
+        # parents precede children, so a last node at depth N-1 has all N nodes on its path, in order
+        return int(self.depths[-1]) == self.size - 1
 
     def children(self) -> list[dict[int, int]]:
         """Per node, `{child token: child index}` (Python ints: the acceptance walk reads these)."""

@@ -43,7 +43,7 @@ def verify_tree(
 ) -> tuple[torch.Tensor, tuple]:
     """Run the target once on the flattened tree. Returns logits `[N, V]` (float32) and the hidden-states tuple
     (entries `i + 1` for `i` in `target_layer_ids` are `[1, N, H]`)."""
-    device = target.device
+    device = target.get_input_embeddings().weight.device  # where inputs go (cheaper than `target.device`)
     tokens = tree.tokens.to(device)[None]  # [1, N]
     position_ids = (root_position + tree.depths.to(device))[None]  # [1, N]
     if past_key_mask is None and tree.is_chain():
