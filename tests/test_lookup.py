@@ -3,8 +3,10 @@ skips the drafter, and losslessness with it."""
 
 import pytest
 import torch
+from transformers import GenerationConfig
 
-from treeflash_hf import TreeFlashCandidateGenerator, TreeOptions, treeflash_generate
+from treeflash_hf import TreeFlashCandidateGenerator, TreeOptions, forget_learned_state, treeflash_generate
+from treeflash_hf.learned import learned_state
 from treeflash_hf.lookup import (
     LookupRates,
     StepScheduler,
@@ -85,12 +87,14 @@ def test_scheduler_skips_the_drafter_only_when_that_is_faster():
     auto.observe("draft", seconds=0.010, accepted=1, branch_expected=None)  # 2 tokens in 10 ms
     assert auto.choose(None) == "plain"  # untried
     auto.observe("plain", seconds=0.004, accepted=0, branch_expected=None)  # 1 token in 4 ms
-    kinds = [auto.choose(None) for _ in range(10)]
-    # the 3rd undrafted step explores; drafting still loses, so the next exploration waits twice as long
-    assert kinds == ["plain", "plain", "draft"] + ["plain"] * 5 + ["draft", "plain"]
+    kinds = [auto.choose(None) for _ in range(11)]
+    # every 3rd step drafts anyway; drafting still loses, so the next try waits twice as long (6 steps)
+    assert kinds == ["plain", "draft"] + ["plain"] * 5 + ["draft"] + ["plain"] * 3
     auto.drafter_gain = None
-    auto.draft_tokens = 10.0  # the drafter now yields 10 tokens per 10 ms: drafting wins, the interval resets
+    auto.draft_tokens = 10.0  # the drafter now yields 10 tokens per 10 ms: drafting wins, its wait resets
     assert auto.choose(None) == "draft"
+    # ... and the losing plain kind is retried after its own wait, so one bad measurement cannot bar it
+    assert [auto.choose(None) for _ in range(4)] == ["draft", "plain", "draft", "draft"]
     auto.draft_tokens = 2.0
     assert [auto.choose(None) for _ in range(3)] == ["plain", "plain", "draft"]
 
@@ -142,3 +146,28 @@ def test_lookup_needs_a_tree_and_a_non_negative_length():
         TreeOptions(tree_mode="chain", tree_lookup=4)
     with pytest.raises(ValueError, match="tree_lookup=-1"):
         TreeOptions(tree_lookup=-1)
+
+
+def test_learned_state_carries_over_calls_per_pair_and_settings(looping_pair):
+    target, drafter = looping_pair
+    forget_learned_state(drafter)
+    prompt = torch.tensor([[3, 1, 4, 1, 5]])
+    settings = dict(tree_mode="treeflash", tree_budget="auto", tree_top_m=4, tree_top_k=4, tree_lookup=5)
+    options = TreeOptions(**settings)
+    greedy = GenerationConfig(do_sample=False)
+    first = treeflash_generate(target, drafter, prompt, max_new_tokens=30, **settings)
+    state = learned_state(drafter, target, options, greedy)
+    steps_seen = dict(state.schedule.seconds)
+    assert steps_seen, "the first call's measurements were not kept"
+    assert state.auto_budget is not None and state.auto_budget.steps > 0
+    second = treeflash_generate(target, drafter, prompt, max_new_tokens=30, **settings)
+    assert learned_state(drafter, target, options, greedy) is state  # the same state, grown by the second call
+    assert torch.equal(first.sequences, second.sequences)  # what is verified changed, never what is emitted
+    # Other settings learn apart: another budget, or sampling.
+    fixed = TreeOptions(**{**settings, "tree_budget": 8})
+    assert learned_state(drafter, target, fixed, greedy) is not state
+    assert learned_state(drafter, target, fixed, greedy).auto_budget is None
+    assert learned_state(drafter, target, options, GenerationConfig(do_sample=True, temperature=0.7)) is not state
+    forget_learned_state(drafter)
+    fresh = learned_state(drafter, target, options, greedy)
+    assert fresh is not state and not fresh.schedule.seconds

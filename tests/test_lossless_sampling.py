@@ -14,7 +14,7 @@ import pytest
 import torch
 from scipy.stats import chisquare
 
-from treeflash_hf import treeflash_generate
+from treeflash_hf import forget_learned_state, treeflash_generate
 from treeflash_hf.lookup import StepScheduler
 from treeflash_hf.testing import matching_drafter, random_target
 from transformers.generation.logits_process import LogitsProcessorList, TemperatureLogitsWarper, TopPLogitsWarper
@@ -89,6 +89,8 @@ def test_speculative_sampling_matches_target_distribution(peaked_pair, mode, bud
     counts: dict[tuple[int, ...], int] = {}
     accepted_total = 0
     for _ in range(SAMPLES):
+        # each call starts afresh: carried over, auto's schedule would settle on plain steps for this tiny pair
+        forget_learned_state(drafter)
         out = treeflash_generate(
             target, drafter, prompt, max_new_tokens=NEW_TOKENS, do_sample=True, temperature=TEMPERATURE,
             top_p=TOP_P, tree_mode=mode, tree_budget=budget, tree_top_m=VOCAB, tree_top_k=VOCAB, tree_lookup=lookup,

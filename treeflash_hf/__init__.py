@@ -16,6 +16,7 @@ from .generation import (
     treeflash_decode,
     treeflash_generate,
 )
+from .learned import forget_learned_state
 from .options import TreeOptions
 from .tree import DraftTree
 from .validation import TreeFlashInputError
@@ -38,6 +39,7 @@ __all__ = [
     "TreeFlashInputError",
     "TreeFlashStats",
     "TreeOptions",
+    "forget_learned_state",
     "treeflash_decode",
     "treeflash_generate",
 ]

@@ -37,7 +37,7 @@ from .lookup import (
     useful_length,
 )
 from .options import OPTION_NAMES, TreeOptions
-from .tree import chain_tree
+from .tree import chain_tree, root_tree
 from .validation import (
     TREE_MASK_BACKENDS,
     TreeFlashInputError,
@@ -133,7 +133,8 @@ def treeflash_decode(
 
     # Prefill: the target runs on the prompt; its next token is the first root.
     out = run_target(target, input_ids, position_ids, attention_mask, cache, layer_ids, logits_to_keep=1)
-    new_context = generator.context_features(out.hidden_states, slice(None))  # [1, S, n*H]
+    # context features the drafter has not seen yet, oldest first (each [1, C_i, n*H]); joined at the next draft
+    pending_context = [generator.context_features(out.hidden_states, slice(None))]
     raw = out.logits[:, -1].float()
     processed = logits_processor(input_ids, raw.clone()) if len(logits_processor) else raw
     root_token = choose_token(processed, do_sample)
@@ -178,14 +179,14 @@ def treeflash_decode(
         if budget == 1:  # plain decoding asked for: nothing to draft
             step_kind = "plain"
         if step_kind == "plain":  # the root alone; the drafter catches up with the next draft
-            tree = chain_tree(root_token, torch.zeros(0, dtype=torch.long), torch.zeros(0))
+            tree = root_tree(root_token)
         elif step_kind == "lookup":  # the lookup branch alone; likewise
             tree = chain_tree(root_token, torch.tensor(lookup_tokens), torch.tensor(lookup_log_probs))
             if auto_budget is not None:
                 tree = auto_budget.choose_lookup(tree)
         else:
             block = generator.draft(
-                root_token, root_position, new_context, max_depth=min(remaining, budget) - 1,
+                root_token, root_position, torch.cat(pending_context, dim=1), max_depth=min(remaining, budget) - 1,
                 prev_token=int(sequence[0, -2]),
             )
             branch = (lookup_tokens[: budget - 1], lookup_log_probs[: budget - 1]) if lookup_tokens else None
@@ -204,7 +205,7 @@ def treeflash_decode(
             auto_budget.observe(predicted, len(accepted.path))
         stats.accepted_lengths.append(len(accepted.path))
         stats.tree_sizes.append(tree.size)
-        stats.expected_accepted_lengths.append(tree.expected_accepted_len)
+        stats.expected_accepted_lengths.append(tree.expected_accepted_len if tree.size > 1 else 0.0)
         stats.step_kinds.append(step_kind)
         for token, token_scores, node in zip(accepted.tokens, accepted.scores, accepted.visited):
             finished = emit(token, token_scores, logits[node : node + 1])
@@ -215,7 +216,7 @@ def treeflash_decode(
         kept_nodes = torch.tensor([0] + accepted.path, dtype=torch.long, device=tree.tokens.device)
         compact_cache(cache, past_len, kept_nodes)
         kept_context = generator.context_features(hidden_states, kept_nodes.to(device))
-        new_context = kept_context if drafted else torch.cat([new_context, kept_context], dim=1)
+        pending_context = [kept_context] if drafted else pending_context + [kept_context]
         if past_key_mask is not None:
             past_key_mask = torch.cat([past_key_mask, past_key_mask.new_ones(kept_nodes.shape[0])])
         root_position += kept_nodes.shape[0]

@@ -136,11 +136,11 @@ class StepScheduler:
     Tokens: a draft step yields `1 + E_L + gain` with a branch (`E_L`: the branch's expected accepted tokens,
     `expected_accepted`; `gain`: what the drafter added on top of the branch on recent draft steps), else
     `draft_tokens`, its recent mean; a lookup step `1 + E_L`; a plain step 1. Seconds: each kind's recent step
-    time. Each kind is tried once before it is judged. While drafting loses, a draft step is still taken after
-    every `explore_every` undrafted steps, so the drafter's figures stay current; each such step that does not
-    change the verdict doubles that interval (up to `max_explore_every`), and a step where drafting wins resets
-    it. Skipped drafts cost nothing later: the drafter receives the skipped positions' context with its next
-    draft.
+    time. Each kind is tried once before it is judged. A kind that loses is still taken once it has waited
+    `explore_every` steps, so that its figures stay current (one unlucky measurement cannot exclude it for
+    good); each such try that does not change the verdict doubles that kind's wait (up to
+    `max_explore_every`), and winning resets it. Skipped drafts cost nothing later: the drafter receives the
+    skipped positions' context with its next draft.
     """
 
     allow_plain: bool = False
@@ -150,8 +150,8 @@ class StepScheduler:
     seconds: dict[str, float] = field(default_factory=dict)
     draft_tokens: float | None = None
     drafter_gain: float | None = None
-    undrafted_steps: int = 0
-    explore_interval: int | None = None  # current interval; None: `explore_every`
+    waited: dict[str, int] = field(default_factory=dict)  # per kind, steps since it was last taken
+    wait_limit: dict[str, int] = field(default_factory=dict)  # per kind, its current exploration wait
 
     def choose(self, branch_expected: float | None) -> str:
         """The kind of the next step, given its lookup branch's expected accepted tokens (None: no branch)."""
@@ -159,27 +159,28 @@ class StepScheduler:
             draft_tokens = self.draft_tokens
         else:
             draft_tokens = None if self.drafter_gain is None else 1 + branch_expected + self.drafter_gain
-        if "draft" not in self.seconds or draft_tokens is None:
-            return "draft"  # learn what a draft step yields first
         tokens = {"draft": draft_tokens}
         if branch_expected is not None:
             tokens["lookup"] = 1 + branch_expected
         if self.allow_plain:
             tokens["plain"] = 1.0
-        untried = [kind for kind in tokens if kind not in self.seconds]
+        for kind in tokens:
+            self.waited[kind] = self.waited.get(kind, 0) + 1
+        untried = [kind for kind in tokens if kind not in self.seconds or tokens[kind] is None]
         if untried:
-            return untried[0]
-        best = max(tokens, key=lambda kind: tokens[kind] / self.seconds[kind])
-        interval = self.explore_interval or self.explore_every
-        if best == "draft":
-            self.undrafted_steps, self.explore_interval = 0, self.explore_every
-            return best
-        self.undrafted_steps += 1
-        if self.undrafted_steps >= interval:
-            self.undrafted_steps = 0
-            self.explore_interval = min(self.max_explore_every, 2 * interval)
-            return "draft"
-        return best
+            chosen = untried[0]  # learn what each kind yields first (a draft step first of all)
+        else:
+            best = max(tokens, key=lambda kind: tokens[kind] / self.seconds[kind])
+            stale = [kind for kind in tokens if kind != best
+                     and self.waited[kind] >= self.wait_limit.get(kind, self.explore_every)]
+            chosen = stale[0] if stale else best
+            if chosen == best:
+                self.wait_limit[best] = self.explore_every
+            else:
+                self.wait_limit[chosen] = min(self.max_explore_every,
+                                              2 * self.wait_limit.get(chosen, self.explore_every))
+        self.waited[chosen] = 0
+        return chosen
 
     def observe(self, kind: str, seconds: float, accepted: int, branch_expected: float | None) -> None:
         """One verified step: its kind, wall time (drafting to acceptance), accepted drafted tokens, and its

@@ -82,6 +82,13 @@ def chain_tree(root_token: int, tokens: torch.LongTensor, log_probs: torch.Tenso
     return DraftTree(all_tokens, parents, depths, path)
 
 
+def root_tree(root_token: int) -> DraftTree:
+    """The root alone (a plain decoding step)."""
+    return DraftTree(torch.tensor([root_token]), _ROOT_PARENTS, _ROOT_DEPTHS, _ROOT_PATH_LOG_PROBS)
+
+
+_ROOT_PARENTS, _ROOT_DEPTHS, _ROOT_PATH_LOG_PROBS = torch.tensor([-1]), torch.tensor([0]), torch.zeros(1)
+
 ChildList = tuple[list[int], list[float]]  # (tokens, log-probs), sorted by decreasing log-prob
 
 
