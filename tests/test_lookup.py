@@ -1,6 +1,9 @@
 """The lookup branch (`tree_lookup`): n-gram matching, merging into the best-first search, the schedule that
 skips the drafter, and losslessness with it."""
 
+import copy
+import pickle
+
 import pytest
 import torch
 from transformers import GenerationConfig
@@ -168,6 +171,10 @@ def test_learned_state_carries_over_calls_per_pair_and_settings(looping_pair):
     assert learned_state(drafter, target, fixed, greedy) is not state
     assert learned_state(drafter, target, fixed, greedy).auto_budget is None
     assert learned_state(drafter, target, options, GenerationConfig(do_sample=True, temperature=0.7)) is not state
+    # Copies and pickles of the drafter start afresh (and do not drag the target along).
+    for copied in (copy.deepcopy(drafter), pickle.loads(pickle.dumps(drafter))):
+        assert not learned_state(copied, target, options, greedy).schedule.seconds
+    assert learned_state(drafter, target, options, greedy) is state
     forget_learned_state(drafter)
     fresh = learned_state(drafter, target, options, greedy)
     assert fresh is not state and not fresh.schedule.seconds

@@ -36,12 +36,26 @@ class LearnedState:
     auto_budget: AutoBudget | None
 
 
+class _StatesPerTarget(weakref.WeakKeyDictionary):
+    """target -> {settings key: LearnedState}. A target that is freed takes its states with it. Copies and
+    pickles of the drafter (`copy.deepcopy`, `torch.save`) start afresh instead of copying the targets."""
+
+    def __reduce__(self):
+        return (_StatesPerTarget, ())
+
+    def __copy__(self) -> "_StatesPerTarget":
+        return _StatesPerTarget()
+
+    def __deepcopy__(self, memo) -> "_StatesPerTarget":
+        return _StatesPerTarget()
+
+
 def learned_state(drafter, target, options: TreeOptions, generation_config: GenerationConfig) -> LearnedState:
     """The state for decoding `target` with `drafter` under `options` and `generation_config`'s sampling
     settings, created on first use."""
     per_target = getattr(drafter, _ATTRIBUTE, None)
     if per_target is None:
-        per_target = weakref.WeakKeyDictionary()  # a target that is freed takes its state with it
+        per_target = _StatesPerTarget()
         object.__setattr__(drafter, _ATTRIBUTE, per_target)
     sampling = (
         (generation_config.temperature, generation_config.top_k, generation_config.top_p)
