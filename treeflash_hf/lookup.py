@@ -139,8 +139,8 @@ class StepScheduler:
     time. Each kind is tried once before it is judged. A kind that loses is still taken once it has waited
     `explore_every` steps, so that its figures stay current (one unlucky measurement cannot exclude it for
     good); each such try that does not change the verdict doubles that kind's wait (up to
-    `max_explore_every`), and winning resets it. Skipped drafts cost nothing later: the drafter receives the
-    skipped positions' context with its next draft.
+    `max_explore_every`), and winning resets it. Skipping the drafter loses nothing: it receives the skipped
+    positions' context with its next draft (a longer drafter forward, measured like any other draft step).
     """
 
     allow_plain: bool = False
