@@ -3,6 +3,7 @@ skips the drafter, and losslessness with it."""
 
 import copy
 import pickle
+import threading
 
 import pytest
 import torch
@@ -171,6 +172,12 @@ def test_learned_state_carries_over_calls_per_pair_and_settings(looping_pair):
     assert learned_state(drafter, target, fixed, greedy) is not state
     assert learned_state(drafter, target, fixed, greedy).auto_budget is None
     assert learned_state(drafter, target, options, GenerationConfig(do_sample=True, temperature=0.7)) is not state
+    # Another thread learns apart, so concurrent generate() calls never race on one state.
+    other_thread: list = []
+    worker = threading.Thread(target=lambda: other_thread.append(learned_state(drafter, target, options, greedy)))
+    worker.start()
+    worker.join()
+    assert other_thread[0] is not state
     # Copies and pickles of the drafter start afresh (and do not drag the target along).
     for copied in (copy.deepcopy(drafter), pickle.loads(pickle.dumps(drafter))):
         assert not learned_state(copied, target, options, greedy).schedule.seconds

@@ -7,12 +7,14 @@ The lookup branch's acceptance rates (`LookupRates`), each step kind's measured 
 (transformers' assisted generation likewise carries its assistant's `num_assistant_tokens` across calls). They
 only decide what is verified, never what is emitted: the output stays the target's own either way.
 
-The state lives on the drafter object, per target and per (dtype, device, threads, tree options, sampling
-settings); `forget_learned_state(drafter)` drops it.
+The state lives on the drafter object, per target and per (target and drafter dtype and device, torch thread
+count, tree options, sampling settings, calling thread): concurrent `generate()` calls from several threads never
+share it, so they cannot race on it. `forget_learned_state(drafter)` drops it.
 """
 
 from __future__ import annotations
 
+import threading
 import weakref
 from dataclasses import dataclass
 
@@ -37,7 +39,7 @@ class LearnedState:
 
 
 class _StatesPerTarget(weakref.WeakKeyDictionary):
-    """target -> {settings key: LearnedState}. A target that is freed takes its states with it. Copies and
+    """target -> {settings key: LearnedState}. A target that is freed takes its states with it. Deep copies and
     pickles of the drafter (`copy.deepcopy`, `torch.save`) start afresh instead of copying the targets."""
 
     def __reduce__(self):
@@ -62,7 +64,8 @@ def learned_state(drafter, target, options: TreeOptions, generation_config: Gene
         if generation_config.do_sample
         else None
     )
-    key = (str(target.dtype), str(target.device), torch.get_num_threads(), options, sampling)
+    devices = (str(target.dtype), str(target.device), str(drafter.dtype), str(drafter.device))
+    key = (devices, torch.get_num_threads(), options, sampling, threading.get_ident())
     states = per_target.setdefault(target, {})
     if key not in states:
         auto = options.tree_budget == "auto"
