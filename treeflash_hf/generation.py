@@ -175,9 +175,8 @@ def treeflash_decode(
             keep = useful_length(lookup_log_probs, MIN_PATH_PROB)
             lookup_tokens, lookup_log_probs = lookup_tokens[:keep], lookup_log_probs[:keep]
             branch_expected = expected_accepted(lookup_log_probs)
-        step_kind = schedule.choose(branch_expected)
-        if budget == 1:  # plain decoding asked for: nothing to draft
-            step_kind = "plain"
+        # budget 1 is plain decoding asked for: nothing to draft, nothing for the scheduler to choose
+        step_kind = "plain" if budget == 1 else schedule.choose(branch_expected)
         if step_kind == "plain":  # the root alone; the drafter catches up with the next draft
             tree = root_tree(root_token)
         elif step_kind == "lookup":  # the lookup branch alone; likewise
@@ -205,7 +204,7 @@ def treeflash_decode(
             auto_budget.observe(predicted, len(accepted.path))
         stats.accepted_lengths.append(len(accepted.path))
         stats.tree_sizes.append(tree.size)
-        stats.expected_accepted_lengths.append(tree.expected_accepted_len if tree.size > 1 else 0.0)
+        stats.expected_accepted_lengths.append(tree.expected_accepted_len)
         stats.step_kinds.append(step_kind)
         for token, token_scores, node in zip(accepted.tokens, accepted.scores, accepted.visited):
             finished = emit(token, token_scores, logits[node : node + 1])

@@ -34,6 +34,8 @@ class DraftTree:
 
     @property
     def expected_accepted_len(self) -> float:
+        if self.size == 1:  # the root alone (a plain step): skip three tensor ops
+            return 0.0
         return float(self.path_log_probs[1:].exp().sum())
 
     def prefix(self, n: int) -> "DraftTree":
