@@ -1,6 +1,7 @@
 # Two entry points for a fresh machine: `make demo` (the main job) and `make test` (the test suite).
-# Each creates .venv on first use: the CPU build of torch first (from local wheels, never a CUDA build),
-# then this package with its pinned dependencies.
+# Each creates .venv on first use: torch first, then this package with its pinned dependencies. torch is the CPU
+# wheel in $(TORCH_WHEELS) when one lies there (these CPU machines: never a CUDA build); elsewhere it is
+# torch==$(TORCH_VERSION) from the package index (on a GPU machine, its CUDA build).
 PYTHON ?= python3
 VENV ?= .venv
 TORCH_VERSION ?= 2.13.0
@@ -9,9 +10,8 @@ STAMP := $(VENV)/.installed
 TORCH_WHEEL = $(firstword $(wildcard $(TORCH_WHEELS)/torch-$(TORCH_VERSION)+cpu-*.whl))
 
 $(STAMP): setup.cfg pyproject.toml
-	@test -n "$(TORCH_WHEEL)" || { echo "No CPU wheel of torch $(TORCH_VERSION) in $(TORCH_WHEELS): set TORCH_WHEELS=DIR (refusing to let pip pull a CUDA build)."; exit 1; }
 	$(PYTHON) -m venv $(VENV)
-	$(VENV)/bin/python -m pip install "$(TORCH_WHEEL)"
+	$(VENV)/bin/python -m pip install "$(or $(TORCH_WHEEL),torch==$(TORCH_VERSION))"
 	$(VENV)/bin/python -m pip install -e ".[test]"
 	touch $@
 

@@ -11,7 +11,7 @@ import random
 
 import torch
 
-from treeflash_hf.draft import BlockDraft, TreeFlashCandidateGenerator
+from treeflash_hf.draft import TreeFlashCandidateGenerator
 
 
 class OracleCandidateGenerator(TreeFlashCandidateGenerator):
@@ -42,9 +42,10 @@ class OracleCandidateGenerator(TreeFlashCandidateGenerator):
             values[candidate] = 8.0 - position
         return torch.log_softmax(values, dim=-1)
 
-    def draft(self, anchor_token, anchor_position, new_context, max_depth, prev_token=-1) -> BlockDraft:
-        block = super().draft(anchor_token, anchor_position, new_context, max_depth, prev_token)
-        self._plan(anchor_position, block.depth)
+    def draft(self, anchor_tokens, anchor_positions, context, max_depth, prev_tokens=None):
+        assert len(anchor_tokens) == 1, "the oracle knows one reference continuation (batch 1)"
+        block = super().draft(anchor_tokens, anchor_positions, context, max_depth, prev_tokens)[0]
+        self._plan(int(anchor_positions[0]), block.depth)
         log_probs = block.marginal_log_probs.clone()
         for d, token in enumerate(self.truth):
             if d + 1 == self.miss_depth:
@@ -52,11 +53,25 @@ class OracleCandidateGenerator(TreeFlashCandidateGenerator):
             else:
                 log_probs[d] = self._place(log_probs[d], token, self.ranks[d])
         block.marginal_log_probs = log_probs
-        block.shortlist = self.shortlist(log_probs)
-        return block
+        shortlists = self.shortlists(log_probs[None])
+        block.shortlist = None if shortlists is None else shortlists[0]
+        return [block]
 
-    def ar_children(self, block: BlockDraft, parent_depths, parent_tokens):
-        child_tokens, child_log_probs = super().ar_children(block, parent_depths, parent_tokens)
+    def ar_tables(self, blocks, max_depth):
+        tables = super().ar_tables(blocks, max_depth)
+        for table in tables:
+            depths = torch.arange(max_depth)[:, None].expand_as(table.top).reshape(-1)
+            tokens, log_probs = self._rig(depths, table.top.reshape(-1), table.child_tokens.flatten(0, 1),
+                                          table.child_log_probs.flatten(0, 1))
+            table.child_tokens, table.child_log_probs = tokens.view_as(table.child_tokens), \
+                log_probs.view_as(table.child_log_probs)
+        return tables
+
+    def ar_rows(self, block, parent_depths, parent_tokens):
+        child_tokens, child_log_probs = super().ar_rows(block, parent_depths, parent_tokens)
+        return self._rig(parent_depths, parent_tokens, child_tokens, child_log_probs)
+
+    def _rig(self, parent_depths, parent_tokens, child_tokens, child_log_probs):
         child_tokens = child_tokens.clone()
         # Peaked, sorted children (a confident drafter), so that best-first goes deep rather than wide.
         steep = torch.log_softmax(-1.0 * torch.arange(child_tokens.shape[1], dtype=torch.float32), dim=-1)

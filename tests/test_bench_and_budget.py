@@ -18,8 +18,9 @@ class ByteTokenizer:
 
     pad_token_id = 0
 
-    def __call__(self, text, return_tensors="pt"):
-        return {"input_ids": torch.tensor([[1 + (ord(c) % 200) for c in text]])}
+    def __call__(self, text, return_tensors=None, add_special_tokens=True):
+        ids = [1 + (ord(c) % 200) for c in text]
+        return {"input_ids": torch.tensor([ids]) if return_tensors == "pt" else ids}
 
 
 @pytest.fixture(autouse=True)
@@ -53,7 +54,7 @@ def test_bench_report_schema_tau_and_identity(models, tmp_path):
                     "identical_to_autoregressive"):
             assert key in row, (label, key)
         assert row["n_prompts"] == 2 and row["new_tokens"] == 20
-        assert row["identical_to_autoregressive"] is True
+        assert row["identical_to_autoregressive"] == "yes" and row["identical_rows"] == 2
         assert row["tokens_per_s_min"] <= row["tokens_per_s"] <= row["tokens_per_s_max"]
     ar = results["autoregressive"]
     assert ar["tau"] == pytest.approx(1.0) and ar["speedup"] == pytest.approx(1.0)
@@ -85,17 +86,42 @@ def test_identity_check_catches_a_different_output(models, monkeypatch):
     original = bench.run_method
 
     def corrupting(target, inputs, method, *args):
-        out, seconds, forwards, accepted = original(target, inputs, method, *args)
+        out, seconds, forwards, accepted, row_steps = original(target, inputs, method, *args)
         if method.name == "chain":
             out = out.clone()
             out[0, -1] = (out[0, -1] + 1) % 256
-        return out, seconds, forwards, accepted
+        return out, seconds, forwards, accepted, row_steps
 
     monkeypatch.setattr(bench, "run_method", corrupting)
     report = run_bench(target, drafter, draft_lm, ByteTokenizer(), ["abc"], [Method("autoregressive"),
                        Method("chain", 4)], max_new_tokens=6, temperature=0.0, repeats=1, progress=False)
-    assert report["results"]["chain@4"]["identical_to_autoregressive"] is False
-    assert report["results"]["autoregressive"]["identical_to_autoregressive"] is True
+    assert report["results"]["chain@4"]["identical_to_autoregressive"] == "NO"
+    assert report["results"]["chain@4"]["divergent_rows"] == 1
+    assert report["results"]["autoregressive"]["identical_to_autoregressive"] == "yes"
+
+
+def test_batched_bench_compares_every_row_with_batch_one_decoding(models):
+    target, drafter, draft_lm = models
+    target.generation_config.pad_token_id = 0
+    methods = parse_methods(["hf_assisted", "treeflash", "auto+lookup"], [8])
+    report = run_bench(target, drafter, draft_lm, ByteTokenizer(), ["def f(x):", "import os\n", "x = 1", "ab"],
+                       methods, max_new_tokens=8, temperature=0.0, repeats=1, progress=False, batch_size=3)
+    results = report["results"]
+    assert "hf_assisted" not in results  # transformers' assisted loop takes one sequence at a time
+    assert report["batch_size"] == 3
+    for row in results.values():
+        assert row["n_prompts"] == 4 and row["new_tokens"] == 32
+        assert row["identical_rows"] + row["near_tie_rows"] == 4 and row["divergent_rows"] == 0
+    assert results["autoregressive"]["tau"] == pytest.approx(1.0)
+    assert results["treeflash@8"]["tau"] >= 1.0
+
+
+def test_tie_tolerance_follows_the_dtype():
+    from treeflash_hf.bench import tie_tolerance
+
+    assert tie_tolerance(torch.bfloat16, 16.0) == 2 * 2**-7 * 16  # two bf16 units in the last place at 16
+    assert tie_tolerance(torch.bfloat16, 0.75) == 2 * 2**-7 * 0.5
+    assert tie_tolerance(torch.float32, 16.0) == 1e-5  # float32: the 1e-5 threshold of the tests
 
 
 def test_prompt_files(tmp_path):
@@ -118,9 +144,19 @@ def test_prompt_files(tmp_path):
 def test_auto_budget_follows_the_cost_curve():
     tree = chain_tree(0, torch.arange(1, 16), torch.full((15,), -0.05))  # confident drafter: E_n ~ n - 1
     flat = AutoBudget({1: 1.0, 16: 1.0}, explore_every=10**6)  # verification free at any size (a GPU)
-    assert flat.choose(tree, drafting_seconds=0.1)[0].size == 16
+    assert flat.choose([tree], drafting_seconds=0.1)[0] == 16
     steep = AutoBudget({1: 1.0, 2: 10.0, 16: 200.0}, explore_every=10**6)  # every extra token very costly
-    assert steep.choose(tree, drafting_seconds=0.1)[0].size == 1
+    assert steep.choose([tree], drafting_seconds=0.1)[0] == 1
+    # a batch: the cost is that of all rows' tokens together, so each row's width shrinks as the batch grows
+    curve = {1: 1.0, 4: 1.05, 8: 1.1, 16: 1.2, 32: 1.5, 64: 2.4, 128: 4.4}  # flat, then linear in total tokens
+    widths = [AutoBudget(curve, explore_every=10**6).choose([tree] * rows, drafting_seconds=0.0)[0]
+              for rows in (1, 2, 4, 8)]
+    assert widths == sorted(widths, reverse=True) and widths[0] > widths[-1], widths
+    # under tensor parallelism the shared (rank 0's) width is the one used and remembered
+    shared = AutoBudget(curve, explore_every=10**6)
+    assert shared.choose([tree], drafting_seconds=0.0, share=lambda width: 3) == (3, pytest.approx(
+        float(tree.path_log_probs[1:3].exp().sum())))
+    assert shared.last_best == 3
     # calibration: a drafter that is right half as often as it claims gets half the credit
     budget = AutoBudget({1: 1.0, 16: 2.0}, explore_every=10**6)
     for _ in range(50):
@@ -169,3 +205,27 @@ def test_ablation_variants_share_the_backbone(models):
         assert torch.count_nonzero(state["ar_approximation.d.weight"]) == 0, name
     assert variant_drafter(drafter, {"ar_num_prev_tokens": 2}).ar_approximation.ug.in_features == 3 * 64
     assert variant_drafter(drafter, {"ar_type": "linear"}).config.ar_type == "linear"
+
+
+def test_cost_table_reports_measured_ratios(monkeypatch):
+    """Every ratio of `profile --cost-table` comes from this run's own measurements."""
+    import argparse
+
+    from treeflash_hf import profile
+
+    measured = {}
+    real = profile.measure_verify_cost
+
+    def spy(target, sizes, past_len):
+        measured.update(real(target, sizes=sizes, past_len=past_len, repeats=1))
+        return dict(measured)
+
+    monkeypatch.setattr(profile, "measure_verify_cost", spy)
+    args = argparse.Namespace(vocab=64, block_size=4, drafter_layers=1, verify_sizes=[4, 8], prompt_len=16,
+                              train_throughput=False)
+    row = profile.cost_row(2, 64, torch.float32, args)
+    assert row["token_ms"] == measured[1] * 1e3
+    assert row["verify_ratio"] == {n: measured[n] / measured[1] for n in (4, 8)}
+    assert row["drafter_ms"] > 0 and row["drafter_share"] == pytest.approx(row["drafter_ms"] / row["token_ms"])
+    assert profile.training_throughput(random_target("qwen3", vocab_size=64, seed=0), torch.bfloat16, batch=2,
+                                       seq_len=8, steps=1) > 0

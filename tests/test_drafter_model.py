@@ -11,6 +11,7 @@ import torch
 from transformers import AutoConfig, AutoModel
 
 from treeflash_hf import TreeFlashCandidateGenerator, TreeFlashDrafterConfig, TreeFlashDrafterModel, TreeOptions
+from treeflash_hf.draft import DraftContext
 from treeflash_hf.testing import matching_drafter, random_target
 
 from .conftest import randomise_ar_layer
@@ -22,9 +23,12 @@ def draft_once(target, drafter, prompt, options, **generator_attributes):
         setattr(generator, name, value)
     with torch.no_grad():
         out = target(prompt, output_hidden_states=True)
-    context = generator.context_features(out.hidden_states, slice(None))
+    context = DraftContext(generator.context_features(out.hidden_states, slice(None)),
+                           torch.arange(prompt.shape[1])[None])
     anchor = int(out.logits[0, -1].argmax())
-    return generator, generator.draft(anchor, prompt.shape[1], context, max_depth=drafter.config.block_size - 1)
+    blocks = generator.draft([anchor], torch.tensor([prompt.shape[1]]), context,
+                             max_depth=drafter.config.block_size - 1)
+    return generator, blocks[0]
 
 
 def test_fresh_drafter_ar_tables_are_the_marginal_tables(qwen3_pair):
@@ -36,14 +40,15 @@ def test_fresh_drafter_ar_tables_are_the_marginal_tables(qwen3_pair):
         generator, block = draft_once(target, drafter, torch.tensor([[3, 1, 4, 1, 5, 9, 2]]), options,
                                       ar_shortlist=shortlist)
         assert (block.shortlist is None) == (shortlist is None)
-        child_tokens, child_log_probs, row_of = generator.ar_tables(block)
+        table = generator.ar_tables([block], block.depth)[0]
         marginal_top = block.marginal_log_probs.topk(5, dim=-1)
-        assert torch.equal(child_tokens[0], marginal_top.indices[0])
-        torch.testing.assert_close(child_log_probs[0], marginal_top.values[0])
-        for depth, rows in enumerate(row_of, start=1):
-            for row in rows.values():
-                assert torch.equal(child_tokens[row], marginal_top.indices[depth])
-                torch.testing.assert_close(child_log_probs[row], marginal_top.values[depth])
+        # row [d, j]: the children (depth d+1) of the j-th top token at depth d (the root at d = 0)
+        assert torch.equal(table.child_tokens[0, 0], marginal_top.indices[0])
+        torch.testing.assert_close(table.child_log_probs[0, 0], marginal_top.values[0])
+        for depth in range(1, block.depth):
+            for j in range(table.top.shape[1]):
+                assert torch.equal(table.child_tokens[depth, j], marginal_top.indices[depth])
+                torch.testing.assert_close(table.child_log_probs[depth, j], marginal_top.values[depth])
 
 
 def test_lazy_and_batched_stage_two_build_the_same_tree(qwen3_pair):
@@ -65,8 +70,8 @@ def test_trained_ar_layer_changes_the_tables(qwen3_pair):
     drafter = randomise_ar_layer(matching_drafter(target, seed=1), std=0.2)
     options = TreeOptions(tree_mode="treeflash", tree_budget=16, tree_top_m=4, tree_top_k=5)
     generator, block = draft_once(target, drafter, torch.tensor([[3, 1, 4, 1, 5, 9, 2]]), options)
-    _, child_log_probs, _ = generator.ar_tables(block)
-    assert not torch.allclose(child_log_probs[0], block.marginal_log_probs.topk(5, dim=-1).values[0])
+    table = generator.ar_tables([block], block.depth)[0]
+    assert not torch.allclose(table.child_log_probs[0, 0], block.marginal_log_probs.topk(5, dim=-1).values[0])
 
 
 def test_ablation_variants_build_and_decode():

@@ -5,7 +5,7 @@ import types
 import pytest
 import torch
 
-from treeflash_hf import TreeFlashInputError, TreeOptions, treeflash_generate
+from treeflash_hf import TreeFlashInputError, TreeOptions, reference, treeflash_generate
 from treeflash_hf.generation import tree_attention_backend
 from treeflash_hf.testing import matching_drafter, random_target
 from treeflash_hf.validation import check_attention_backend
@@ -58,10 +58,66 @@ def test_bad_knobs(target, option, value, message):
         TreeOptions(**{option: value})
 
 
-def test_batch_larger_than_one(target):
+def test_batch_without_a_pad_token(target):
     drafter = matching_drafter(target)
-    with pytest.raises(TreeFlashInputError, match="batch size 1.*got batch size 2"):
+    target.generation_config.pad_token_id = None
+    with pytest.raises(TreeFlashInputError, match="needs a pad token.*pad_token_id="):
         target.generate(torch.cat([PROMPT, PROMPT]), assistant_model=drafter, max_new_tokens=4)
+
+
+def test_right_padding(target):
+    drafter = matching_drafter(target)
+    mask = torch.tensor([[1, 1, 1, 1], [1, 1, 0, 0]])
+    with pytest.raises(TreeFlashInputError, match="right-padded.*padding_side='left'"):
+        target.generate(torch.cat([PROMPT, PROMPT]), attention_mask=mask, assistant_model=drafter,
+                        max_new_tokens=4, pad_token_id=0)
+
+
+def test_rows_longer_than_the_target_allows(target):
+    drafter = matching_drafter(target)
+    long_prompt = torch.ones(2, 4090, dtype=torch.long)
+    with pytest.raises(TreeFlashInputError, match="need 4100 positions but the target holds at most 4096"):
+        target.generate(long_prompt, assistant_model=drafter, max_new_tokens=10, pad_token_id=0)
+
+
+def test_empty_prompt(target):
+    drafter = matching_drafter(target)
+    with pytest.raises(TreeFlashInputError, match="A prompt is empty"):
+        target.generate(torch.ones(1, 0, dtype=torch.long), assistant_model=drafter, max_new_tokens=4)
+    mask = torch.tensor([[1, 1, 1, 1], [0, 0, 0, 0]])
+    with pytest.raises(TreeFlashInputError, match="A prompt is empty"):
+        target.generate(torch.cat([PROMPT, PROMPT]), attention_mask=mask, assistant_model=drafter,
+                        max_new_tokens=4, pad_token_id=0)
+
+
+def test_beam_search(target):
+    drafter = matching_drafter(target)
+    with pytest.raises(TreeFlashInputError, match="Beam search \\(num_beams=2\\).*num_beams=1"):
+        target.generate(PROMPT, assistant_model=drafter, max_new_tokens=4, num_beams=2)
+
+
+def test_streamer_with_a_batch(target):
+    from transformers import AutoTokenizer, TextStreamer
+    from transformers.generation.streamers import BaseStreamer
+
+    class Quiet(BaseStreamer):
+        def put(self, value):
+            pass
+
+        def end(self):
+            pass
+
+    drafter = matching_drafter(target)
+    batch = torch.cat([PROMPT, PROMPT])
+    with pytest.raises(ValueError, match="Quiet only supports batch size 1"):
+        target.generate(batch, assistant_model=drafter, max_new_tokens=4, pad_token_id=0, streamer=Quiet())
+    # transformers' own streamer: the very error plain generate() gives
+    tokenizer = AutoTokenizer.from_pretrained(reference.BUNDLED_DIR / "tokenizer")
+    with pytest.raises(ValueError, match="TextStreamer only supports batch size 1"):
+        target.generate(batch, max_new_tokens=4, pad_token_id=0, streamer=TextStreamer(tokenizer))
+    with pytest.raises(ValueError, match="TextStreamer only supports batch size 1"):
+        target.generate(batch, assistant_model=drafter, max_new_tokens=4, pad_token_id=0,
+                        streamer=TextStreamer(tokenizer))
 
 
 def test_inputs_on_another_device(target):

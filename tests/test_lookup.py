@@ -76,31 +76,43 @@ def test_lookup_rates_learn_per_depth_up_to_the_first_miss():
 def test_scheduler_skips_the_drafter_only_when_that_is_faster():
     scheduler = StepScheduler(explore_every=1000)
     expected = expected_accepted(LookupRates().log_probs(2, 4))  # a 4-token branch from a bigram match
-    assert scheduler.choose(expected) == "draft"  # nothing measured yet
-    scheduler.observe("draft", seconds=0.010, accepted=3, branch_expected=expected)
-    assert scheduler.choose(expected) == "lookup"  # a draft step is measured, a lookup step not yet: try it
-    scheduler.observe("lookup", seconds=0.004, accepted=2, branch_expected=expected)
+    assert scheduler.choose([expected]) == "draft"  # nothing measured yet
+    scheduler.observe("draft", seconds=0.010, accepted=[3], branch_expected=[expected])
+    assert scheduler.choose([expected]) == "lookup"  # a draft step is measured, a lookup step not yet: try it
+    scheduler.observe("lookup", seconds=0.004, accepted=[2], branch_expected=[expected])
     branch = 1 + expected
     faster_alone = branch / 0.004 > (branch + scheduler.drafter_gain) / 0.010
-    assert scheduler.choose(expected) == ("lookup" if faster_alone else "draft")
+    assert scheduler.choose([expected]) == ("lookup" if faster_alone else "draft")
     scheduler.drafter_gain = 10.0  # the drafter adds a lot: drafting wins
-    assert scheduler.choose(expected) == "draft"
-    assert scheduler.choose(None) == "draft"  # no branch, and plain steps are not allowed: draft
+    assert scheduler.choose([expected]) == "draft"
+    assert scheduler.choose([None]) == "draft"  # no branch, and plain steps are not allowed: draft
     # Plain steps (auto budget only) win when the drafter's tokens are not worth its time.
     auto = StepScheduler(allow_plain=True, explore_every=3)
-    auto.observe("draft", seconds=0.010, accepted=1, branch_expected=None)  # 2 tokens in 10 ms
-    assert auto.choose(None) == "plain"  # untried
-    auto.observe("plain", seconds=0.004, accepted=0, branch_expected=None)  # 1 token in 4 ms
-    kinds = [auto.choose(None) for _ in range(11)]
+    auto.observe("draft", seconds=0.010, accepted=[1], branch_expected=[None])  # 2 tokens in 10 ms
+    assert auto.choose([None]) == "plain"  # untried
+    auto.observe("plain", seconds=0.004, accepted=[0], branch_expected=[None])  # 1 token in 4 ms
+    kinds = [auto.choose([None]) for _ in range(11)]
     # every 3rd step drafts anyway; drafting still loses, so the next try waits twice as long (6 steps)
     assert kinds == ["plain", "draft"] + ["plain"] * 5 + ["draft"] + ["plain"] * 3
     auto.drafter_gain = None
     auto.draft_tokens = 10.0  # the drafter now yields 10 tokens per 10 ms: drafting wins, its wait resets
-    assert auto.choose(None) == "draft"
+    assert auto.choose([None]) == "draft"
     # ... and the losing plain kind is retried after its own wait, so one bad measurement cannot bar it
-    assert [auto.choose(None) for _ in range(4)] == ["draft", "plain", "draft", "draft"]
+    assert [auto.choose([None]) for _ in range(4)] == ["draft", "plain", "draft", "draft"]
     auto.draft_tokens = 2.0
-    assert [auto.choose(None) for _ in range(3)] == ["plain", "plain", "draft"]
+    assert [auto.choose([None]) for _ in range(3)] == ["plain", "plain", "draft"]
+    # A batch step is judged on the batch: tokens summed over rows, times learned per number of rows.
+    batched = StepScheduler(allow_plain=True, explore_every=1000)
+    batched.observe("draft", seconds=0.010, accepted=[1], branch_expected=[None])
+    batched.observe("plain", seconds=0.004, accepted=[0], branch_expected=[None])
+    assert batched.choose([None]) == "plain"
+    assert batched.choose([None, None]) == "draft"  # nothing measured for two rows yet: try each kind
+    batched.observe("draft", seconds=0.011, accepted=[3, 3], branch_expected=[None, None])
+    assert batched.choose([None, None]) == "plain"  # untried for two rows
+    batched.observe("plain", seconds=0.006, accepted=[0, 0], branch_expected=[None, None])
+    assert batched.expected_tokens([None, None])["plain"] == 2.0
+    draft_rate = batched.expected_tokens([None, None])["draft"] / 0.011
+    assert batched.choose([None, None]) == ("draft" if draft_rate > 2 / 0.006 else "plain")
 
 
 @pytest.fixture(scope="module")
@@ -115,9 +127,11 @@ class ContextCheckingGenerator(TreeFlashCandidateGenerator):
     """Asserts that every draft sees the drafter context of every committed position before its anchor,
     whether or not earlier steps skipped the drafter."""
 
-    def draft(self, anchor_token, anchor_position, new_context, max_depth, prev_token=-1):
-        assert self.cache.get_seq_length() + new_context.shape[1] == anchor_position
-        return super().draft(anchor_token, anchor_position, new_context, max_depth, prev_token)
+    def draft(self, anchor_tokens, anchor_positions, context, max_depth, prev_tokens=None):
+        cached = self.cache.get_seq_length() if self.key_valid is None else self.key_valid.sum(dim=1)
+        new = context.features.shape[1] if context.valid is None else context.valid.sum(dim=1)
+        assert torch.equal(torch.as_tensor(cached + new).expand(len(anchor_tokens)), anchor_positions)
+        return super().draft(anchor_tokens, anchor_positions, context, max_depth, prev_tokens)
 
 
 @pytest.mark.parametrize("schedule", ["measured", "always_lookup", "lookup_or_plain"])
@@ -125,10 +139,12 @@ class ContextCheckingGenerator(TreeFlashCandidateGenerator):
 def test_greedy_output_with_lookup_is_the_targets(looping_pair, mode, budget, schedule, monkeypatch):
     target, drafter = looping_pair
     if schedule == "always_lookup":
-        monkeypatch.setattr(StepScheduler, "choose", lambda self, branch: "draft" if branch is None else "lookup")
+        monkeypatch.setattr(StepScheduler, "choose",
+                            lambda self, branches, share=None: "draft" if branches == [None] else "lookup")
     if schedule == "lookup_or_plain":  # every kind of step, the drafter skipped as often as possible
         kinds = iter(["draft", "plain", "plain"] * 100)
-        monkeypatch.setattr(StepScheduler, "choose", lambda self, branch: next(kinds) if branch is None else "lookup")
+        monkeypatch.setattr(StepScheduler, "choose",
+                            lambda self, branches, share=None: next(kinds) if branches == [None] else "lookup")
     options = TreeOptions(tree_mode=mode, tree_budget=budget, tree_top_m=4, tree_top_k=4, tree_lookup=5)
     skipped_steps = 0
     for prompt in ([[3, 1, 4, 1, 5]], [[2, 7, 1, 8, 2, 8]]):

@@ -15,7 +15,7 @@ from .test_hub import run_fresh
 @pytest.fixture(scope="module")
 def suite():
     start = time.perf_counter()
-    target, drafter, tokenizer = reference.load()
+    target, drafter, tokenizer = reference.load(dtype=torch.float32)  # exact identity is checked in float32
     return target, drafter, tokenizer, time.perf_counter() - start
 
 
@@ -25,7 +25,7 @@ def test_loads_in_seconds_and_fits(suite):
     assert drafter.config.vocab_size == len(tokenizer) == target.config.vocab_size
     assert drafter.config.mask_token_id == tokenizer.mask_token_id
     assert target.dtype == drafter.dtype == torch.float32
-    assert reference.load_draft_lm().config.vocab_size == len(tokenizer)
+    assert reference.load_draft_lm(dtype=torch.float32).config.vocab_size == len(tokenizer)
 
 
 def test_greedy_treeflash_is_identical_and_accepts(suite):

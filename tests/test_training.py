@@ -128,10 +128,11 @@ def test_loss_is_weighted_kl_to_the_verifier(tiny, decay):
 
 def test_lm_training_loss_falls(tmp_path, tiny):
     target, _, data = tiny
-    summary = train_lm(target.train(), data, data, loop(tmp_path, "lm", 25, eval_every=25), bytes_per_token=3.0)
+    summary = train_lm(target.train(), data, {"held": (data, 3.0)}, loop(tmp_path, "lm", 25, eval_every=25))
     losses = [row["loss"] for row in summary["curve"]]
     assert losses[-1] < 0.7 * losses[0]
-    assert "eval_bits_per_byte" in summary["curve"][-1]
+    last = summary["curve"][-1]
+    assert last["eval_held_bits_per_byte"] == pytest.approx(last["eval_held_ce_nats"] / math.log(2) / 3.0)
 
 
 def test_self_distillation_masks_cover_only_responses(tmp_path):
@@ -196,3 +197,37 @@ def test_train_command_end_to_end(tmp_path):
     assert main(args) == 0
     assert (tmp_path / "run" / "final" / "model.safetensors").exists()
     assert main(args + ["--resume"]) == 0  # nothing left to do: resumes at the last step and saves again
+
+
+def test_train_command_seed_fixes_the_whole_run(tmp_path):
+    """Two runs of the same `treeflash-hf train` command (a new drafter each) end with equal weights; another
+    `--seed` gives other weights."""
+    import numpy as np
+    from safetensors.torch import load_file
+
+    from treeflash_hf.cli import main
+
+    random_target("qwen3", vocab_size=VOCAB, hidden_size=32, num_layers=3, num_heads=2,
+                  num_kv_heads=1).save_pretrained(tmp_path / "target")
+    np.save(tmp_path / "tokens.npy", np.array([3, 17, 5, 40, 22, 9, 61, 13] * 100))
+
+    def train(name: str, seed: int) -> dict:
+        assert main(["train", "--stage", "backbone", "--target", str(tmp_path / "target"), "--data",
+                     str(tmp_path / "tokens.npy"), "--out", str(tmp_path / name), "--steps", "3", "--batch-size", "2",
+                     "--seq-len", "24", "--num-anchors", "2", "--drafter-layers", "1", "--block-size", "4",
+                     "--mask-token-id", str(VOCAB - 1), "--seed", str(seed), "--device", "cpu"]) == 0
+        return load_file(tmp_path / name / "final" / "model.safetensors")
+
+    first, again, other = train("a", 5), train("b", 5), train("c", 6)
+    assert all(torch.equal(first[name], again[name]) for name in first)
+    assert not torch.equal(first["fc.weight"], other["fc.weight"])
+
+
+def test_shards_split_every_batch_exactly_once():
+    from treeflash_hf.training.loop import Shard
+
+    for batch_size in (2, 5, 8):
+        for count in (1, 2, 3):
+            rows = [list(range(batch_size))[Shard(index, count).rows(batch_size)] for index in range(count)]
+            assert sum(rows, []) == list(range(batch_size))
+            assert max(map(len, rows)) - min(map(len, rows)) <= 1

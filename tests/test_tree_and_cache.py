@@ -7,8 +7,8 @@ import torch
 from transformers import DynamicCache
 
 from treeflash_hf.cache import compact_cache
-from treeflash_hf.tree import best_first_tree, chain_tree, table_children
-from treeflash_hf.verify import verify_tree
+from treeflash_hf.tree import TreeBatch, best_first_tree, chain_tree, table_children
+from treeflash_hf.verify import verify_trees
 from treeflash_hf.testing import random_target
 
 
@@ -92,7 +92,9 @@ def test_tree_logits_equal_linear_paths_and_compaction_continues_exactly():
         tokens, log_probs = random_tables(4, 3, 64, seed=9)
         tree = best_first_tree(int(prompt[0, -1]), table_children(tokens, log_probs, lambda d, t: d), 16, 4)
         past_len = prompt.shape[1] - 1
-        logits, _ = verify_tree(target, tree, cache, past_len, past_len, None, [0])
+        logits, _ = verify_trees(target, TreeBatch.pack([tree]), cache, torch.tensor([past_len]), None, [0],
+                                 torch.device("cpu"))
+        logits = logits[0]
         for node in range(tree.size):
             linear = torch.tensor([prompt[0, :-1].tolist() + path_tokens(tree, node)])
             with torch.no_grad():
@@ -106,7 +108,7 @@ def test_tree_logits_equal_linear_paths_and_compaction_continues_exactly():
             path_nodes.append(walker)
             walker = int(tree.parents[walker])
         path_nodes = path_nodes[::-1]
-        compact_cache(cache, past_len, torch.tensor(path_nodes))
+        compact_cache(cache, past_len, torch.tensor([path_nodes]))
         assert cache.get_seq_length() == past_len + len(path_nodes)
         committed = prompt[0, :-1].tolist() + path_tokens(tree, deepest)
         next_tokens = torch.tensor([[3, 44]])

@@ -9,6 +9,8 @@ from __future__ import annotations
 
 import argparse
 import gzip
+import math
+import hashlib
 import json
 import statistics
 import time
@@ -19,6 +21,8 @@ from pathlib import Path
 
 import torch
 from transformers.generation import GenerationMixin
+
+from .cli import positive_int
 
 TREE_MODES = ("chain", "marginal_tree", "treeflash")
 BASELINES = ("autoregressive", "hf_assisted", "prompt_lookup", "hf_dflash")
@@ -45,6 +49,14 @@ def load_prompts(spec: str, num_prompts: int | None = None) -> list[str]:
         from .reference import corpus_split
 
         prompts = ["\n".join(text.splitlines()[:24]) + "\n" for text in corpus_split()["heldout"] if text.strip()]
+    elif spec == "packages-heldout":
+        from .reference import reserved_package_texts
+
+        prompts = [prompt for text in reserved_package_texts() if (prompt := code_prompt(text))]
+        prompts.sort(key=lambda prompt: hashlib.sha1(prompt.encode()).hexdigest())  # packages mixed, stable order
+        if not prompts:
+            raise PromptFileError("None of the reserved evaluation packages (networkx, jinja2, click, ...) is "
+                                  "installed here: pass another prompt set.")
     elif spec == "mt-bench":
         raise PromptFileError(
             "The mt-bench question file is not available on this machine: pass it as a JSONL file with "
@@ -70,6 +82,17 @@ def load_prompts(spec: str, num_prompts: int | None = None) -> list[str]:
     return prompts[:num_prompts] if num_prompts else prompts
 
 
+def code_prompt(text: str, lines: int = 24) -> str | None:
+    """A prompt from a source file: `lines` lines from its first top-level `def` or `class` (past the license,
+    docstring and imports most files open with), or None when the file has none or too little code after it."""
+    body = text.splitlines()
+    start = next((i for i, line in enumerate(body) if line.startswith(("def ", "class "))), None)
+    if start is None:
+        return None
+    chunk = body[start : start + lines]
+    return "\n".join(chunk) + "\n" if len(chunk) == lines and sum(len(line) for line in chunk) > 300 else None
+
+
 @dataclass
 class Method:
     name: str
@@ -82,13 +105,50 @@ class Method:
 
 @dataclass
 class Measurement:
-    """One method over the prompts of one repeat."""
+    """One method over the prompts of one repeat. `row_steps`: verification steps summed over rows (a batch's
+    forward is one step for each of its rows), so `(new_tokens - rows) / row_steps` is τ at any batch size."""
 
     seconds: float = 0.0
     new_tokens: int = 0
-    verify_steps: int = 0
+    row_steps: int = 0
     num_prompts: int = 0
     accepted: Counter = field(default_factory=Counter)
+
+
+@dataclass
+class Identity:
+    """Rows compared with the target's own batch-1 greedy output: identical ones, ones that first differ at a
+    near-tie of the target (top-2 logit gap within `tie_tolerance` of the run's dtype; `tie_gaps` lists those
+    gaps), and ones that differ elsewhere (a lossless method has none)."""
+
+    identical: int = 0
+    near_ties: int = 0
+    other: int = 0
+    tie_gaps: list[float] = field(default_factory=list)
+
+    @property
+    def verdict(self) -> str:
+        if self.other:
+            return "NO"
+        return "yes" if not self.near_ties else f"yes, {self.near_ties} near-tie"
+
+
+def tie_tolerance(dtype: torch.dtype, magnitude: float) -> float:
+    """How close two logits of about `magnitude` must be to count as a tie under `dtype`'s rounding: two units in
+    the last place of the dtype there (at least 1e-5, the float32 test threshold)."""
+    ulp = torch.finfo(dtype).eps * 2.0 ** math.floor(math.log2(max(abs(magnitude), 1e-30)))
+    return max(1e-5, 2 * ulp)
+
+
+def first_divergence_gap(target, prompt_ids: torch.LongTensor, expected: list[int], got: list[int]) -> tuple[float,
+                                                                                                        float]:
+    """(gap, tolerance) at the first new token where `got` leaves `expected`: the target's top-2 logit gap there,
+    computed as plain decoding does (batch 1, the same dtype), and the tie tolerance of that dtype."""
+    index = next((i for i, (a, b) in enumerate(zip(expected, got)) if a != b), min(len(expected), len(got)))
+    ids = torch.cat([prompt_ids, prompt_ids.new_tensor(expected[:index])])[None]
+    with torch.no_grad():
+        top2 = target(ids).logits[0, -1].float().topk(2).values
+    return float(top2[0] - top2[1]), tie_tolerance(target.dtype, float(top2[0]))
 
 
 @contextmanager
@@ -139,23 +199,34 @@ def generate_kwargs(method: Method, drafter, draft_lm) -> dict:
             "tree_budget": method.budget, "tree_lookup": lookup, "return_dict_in_generate": True}
 
 
-def run_method(target, inputs, method: Method, drafter, draft_lm, common: dict) -> tuple[torch.Tensor, float, int, list]:
-    """Returns (sequences, seconds, target forwards, accepted drafted tokens per step)."""
+def run_method(target, inputs, method: Method, drafter, draft_lm, common: dict):
+    """Returns (sequences, seconds, target forwards, accepted drafted tokens per row-step, row-steps or None)."""
     accepted: list[int] = []
     kwargs = generate_kwargs(method, drafter, draft_lm)
     with count_forwards(target) as calls, record_stock_acceptance(accepted), torch.no_grad():
         start = time.perf_counter()
         out = target.generate(**inputs, **common, **kwargs)
         seconds = time.perf_counter() - start
+    row_steps = None
     if not isinstance(out, torch.Tensor):
         accepted = list(out.accepted_lengths)
+        row_steps = len(accepted)
         out = out.sequences
-    return out, seconds, calls[0], accepted
+    return out, seconds, calls[0], accepted, row_steps
 
 
-def summarize(per_repeat: list[Measurement], reference: list[Measurement] | None, identical: bool | None) -> dict:
+def new_tokens_per_row(sequences: torch.LongTensor, width: int, eos_ids: set[int]) -> list[list[int]]:
+    """Each row's new tokens, up to and including its first EOS (the padding after it dropped)."""
+    rows = []
+    for row in sequences[:, width:].tolist():
+        end = next((i + 1 for i, token in enumerate(row) if token in eos_ids), len(row))
+        rows.append(row[:end])
+    return rows
+
+
+def summarize(per_repeat: list[Measurement], reference: list[Measurement] | None, identity: Identity | None) -> dict:
     rates = [m.new_tokens / m.seconds for m in per_repeat]
-    taus = [(m.new_tokens - m.num_prompts) / max(1, m.verify_steps) for m in per_repeat]
+    taus = [(m.new_tokens - m.num_prompts) / max(1, m.row_steps) for m in per_repeat]
     row = {
         "tau": statistics.median(taus),
         "tokens_per_s": statistics.median(rates),
@@ -168,55 +239,105 @@ def summarize(per_repeat: list[Measurement], reference: list[Measurement] | None
     if reference is not None:
         speedups = [r / (ref.new_tokens / ref.seconds) for r, ref in zip(rates, reference)]
         row.update(speedup=statistics.median(speedups), speedup_min=min(speedups), speedup_max=max(speedups))
-    if identical is not None:
-        row["identical_to_autoregressive"] = identical
+    if identity is not None:
+        row.update(identical_to_autoregressive=identity.verdict, identical_rows=identity.identical,
+                   near_tie_rows=identity.near_ties, divergent_rows=identity.other, tie_gaps=identity.tie_gaps)
     return row
 
 
+# transformers' assisted generation (and so these stock baselines) decodes one sequence at a time
+BATCH_ONE_ONLY = ("hf_assisted", "prompt_lookup", "hf_dflash")
+
+
+def encode_batches(tokenizer, prompts: list[str], batch_size: int, max_prompt_tokens: int, device) -> list[dict]:
+    """Prompts in groups of `batch_size`, each group left-padded (batch 1: the bare prompt, no mask)."""
+    batches = []
+    for start in range(0, len(prompts), batch_size):
+        rows = [tokenizer(p, add_special_tokens=False)["input_ids"][-max_prompt_tokens:]
+                for p in prompts[start : start + batch_size]]
+        width = max(len(r) for r in rows)
+        ids = torch.tensor([[tokenizer.pad_token_id] * (width - len(r)) + r for r in rows], device=device)
+        batch = {"input_ids": ids}
+        if batch_size > 1:
+            batch["attention_mask"] = torch.tensor([[0] * (width - len(r)) + [1] * len(r) for r in rows],
+                                                   device=device)
+        batches.append(batch)
+    return batches
+
+
 def run_bench(target, drafter, draft_lm, tokenizer, prompts: list[str], methods: list[Method], max_new_tokens: int,
-              temperature: float, repeats: int, max_prompt_tokens: int = 384, progress: bool = True) -> dict:
+              temperature: float, repeats: int, max_prompt_tokens: int = 384, progress: bool = True,
+              batch_size: int = 1) -> dict:
+    """Every method on the same prompts, interleaved per batch (batch -> repeat -> method). Greedy runs compare
+    every row with the target's own batch-1 output for that prompt (`Identity`)."""
     from tqdm.auto import tqdm
 
     greedy = temperature == 0
     common = {"max_new_tokens": max_new_tokens, "do_sample": not greedy, "pad_token_id": tokenizer.pad_token_id}
     if not greedy:
         common["temperature"] = temperature
-    encoded = []
-    for prompt in prompts:
-        ids = tokenizer(prompt, return_tensors="pt")["input_ids"][:, -max_prompt_tokens:].to(target.device)
-        encoded.append({"input_ids": ids})
+    if batch_size > 1 and (skipped := [m.label for m in methods if m.name in BATCH_ONE_ONLY]):
+        print(f"batch size {batch_size}: skipping {skipped} (transformers' assisted generation takes batch size 1)")
+        methods = [m for m in methods if m.name not in BATCH_ONE_ONLY]
+    eos_ids = set(target.generation_config.eos_token_id if isinstance(target.generation_config.eos_token_id, list)
+                  else [target.generation_config.eos_token_id])
+    batches = encode_batches(tokenizer, prompts, batch_size, max_prompt_tokens, target.device)
+    singles = encode_batches(tokenizer, prompts, 1, max_prompt_tokens, target.device)
+    references = []  # the target's own batch-1 greedy output per prompt: what every method must reproduce
+    if greedy:
+        with torch.no_grad():
+            for single in singles:
+                out = target.generate(**single, **common)
+                references.append(new_tokens_per_row(out, single["input_ids"].shape[1], eos_ids)[0])
     results = {m.label: [Measurement() for _ in range(repeats)] for m in methods}
-    identical = {m.label: True for m in methods}
-    warm = encoded[0]
+    identity = {m.label: Identity() for m in methods}
     for method in methods:  # warm-up: first calls pay one-time costs (and "auto" measures its cost curve)
-        run_method(target, warm, method, drafter, draft_lm, {**common, "max_new_tokens": 8})
-    bar = tqdm(total=len(encoded) * repeats * len(methods), desc="bench", disable=not progress)
-    for inputs in encoded:
-        reference_output = None
+        run_method(target, batches[0], method, drafter, draft_lm, {**common, "max_new_tokens": 8})
+    bar = tqdm(total=len(batches) * repeats * len(methods), desc="bench", disable=not progress)
+    for batch_index, inputs in enumerate(batches):
+        width = inputs["input_ids"].shape[1]
         for repeat in range(repeats):
             for method in methods:
-                out, seconds, forwards, accepted = run_method(target, inputs, method, drafter, draft_lm, common)
+                out, seconds, forwards, accepted, row_steps = run_method(target, inputs, method, drafter, draft_lm,
+                                                                         common)
+                rows = new_tokens_per_row(out, width, eos_ids)
                 measurement = results[method.label][repeat]
-                new = out.shape[1] - inputs["input_ids"].shape[1]
                 measurement.seconds += seconds
-                measurement.new_tokens += new
-                measurement.verify_steps += max(0, forwards - 1)
-                measurement.num_prompts += 1
+                measurement.new_tokens += sum(len(row) for row in rows)
+                measurement.num_prompts += len(rows)
+                if row_steps is None:  # a stock loop: one row, one verification per forward after the prefill
+                    row_steps = max(0, forwards - 1) if len(rows) == 1 else sum(len(row) - 1 for row in rows)
+                measurement.row_steps += row_steps
                 if repeat == 0:
                     measurement.accepted.update(accepted)
-                if method.name == "autoregressive" and repeat == 0:
-                    reference_output = out
-                if greedy and repeat == 0 and reference_output is not None:
-                    identical[method.label] &= torch.equal(out, reference_output)
+                if greedy and repeat == 0:
+                    for offset, row in enumerate(rows):
+                        prompt_index = batch_index * batch_size + offset
+                        compare(identity[method.label], target, singles[prompt_index]["input_ids"][0],
+                                references[prompt_index], row)
                 bar.update(1)
     bar.close()
     reference = results.get("autoregressive")
     table = {}
     for method in methods:
         table[method.label] = {"method": method.name, "budget": method.budget, **summarize(
-            results[method.label], reference, identical[method.label] if greedy else None)}
+            results[method.label], reference, identity[method.label] if greedy else None)}
     return {"max_new_tokens": max_new_tokens, "temperature": temperature, "repeats": repeats,
-            "device": str(target.device), "threads": torch.get_num_threads(), "results": table}
+            "batch_size": batch_size, "dtype": str(target.dtype).removeprefix("torch."), "device": str(target.device),
+            "threads": torch.get_num_threads(), "results": table}
+
+
+def compare(identity: Identity, target, prompt_ids: torch.LongTensor, expected: list[int], got: list[int]) -> None:
+    """Count one row into `identity`: identical, diverging at a near-tie of the target, or diverging elsewhere."""
+    if got == expected:
+        identity.identical += 1
+        return
+    gap, tolerance = first_divergence_gap(target, prompt_ids, expected, got)
+    if gap <= tolerance:
+        identity.near_ties += 1
+        identity.tie_gaps.append(gap)
+    else:
+        identity.other += 1
 
 
 def print_table(report: dict) -> None:
@@ -226,6 +347,9 @@ def print_table(report: dict) -> None:
         same = row.get("identical_to_autoregressive")
         print(f"{row['method']:24s} {str(row['budget'] or '-'):>6s} {row['tau']:6.2f} {row['tokens_per_s']:8.1f} "
               f"{spread:>15s} {row.get('speedup', float('nan')):7.2f}x {'' if same is None else same}")
+    print(f"(batch size {report.get('batch_size', 1)}, {report.get('dtype', '')}; identical: every row equals the "
+          "target's own batch-1 greedy output; a near-tie is a first difference where the target's top-2 logits are "
+          "within its dtype's rounding)")
 
 
 def plot(report: dict, out_dir: Path) -> list[Path]:
@@ -291,19 +415,20 @@ def run(args: argparse.Namespace) -> int:
         prompts = load_prompts(args.prompts, args.num_prompts)
     except PromptFileError as err:
         raise SystemExit(f"error: {err}") from None
+    dtype = args.dtype if args.dtype == "auto" else getattr(torch, args.dtype)
     if args.target or args.drafter:
         tokenizer = AutoTokenizer.from_pretrained(args.tokenizer or args.target)
-        target = AutoModelForCausalLM.from_pretrained(args.target, dtype=torch.float32).eval()
-        drafter = AutoModel.from_pretrained(args.drafter, dtype=torch.float32).eval()
+        target = AutoModelForCausalLM.from_pretrained(args.target, dtype=dtype).eval()
+        drafter = AutoModel.from_pretrained(args.drafter, dtype=target.dtype).eval()
     else:
-        target, drafter, tokenizer = reference.load()
+        target, drafter, tokenizer = reference.load(dtype=dtype)
     methods = parse_methods(args.modes, args.budgets)
     draft_lm = None
-    if any(m.name == "hf_assisted" for m in methods):
-        draft_lm = (AutoModelForCausalLM.from_pretrained(args.draft_lm, dtype=torch.float32).eval()
-                    if args.draft_lm else reference.load_draft_lm())
+    if any(m.name == "hf_assisted" for m in methods) and args.batch_size == 1:
+        draft_lm = (AutoModelForCausalLM.from_pretrained(args.draft_lm, dtype=target.dtype).eval()
+                    if args.draft_lm else reference.load_draft_lm(dtype=target.dtype))
     report = run_bench(target, drafter, draft_lm, tokenizer, prompts, methods, args.max_new_tokens,
-                       args.temperature, args.repeats)
+                       args.temperature, args.repeats, batch_size=args.batch_size)
     report["prompts"] = args.prompts
     print_table(report)
     write_report(report, args.json, args.plot, plot)
@@ -327,15 +452,21 @@ def add_parser(subparsers) -> None:
     parser.add_argument("--tokenizer")
     parser.add_argument("--draft-lm", help="AR draft LM for hf_assisted (default: the bundled one)")
     parser.add_argument("--prompts", default="stdlib-heldout",
-                        help="humaneval, stdlib-heldout, mt-bench, or a JSONL file of {\"prompt\": ...}")
+                        help="packages-heldout (code of the reserved evaluation packages), humaneval, "
+                             "stdlib-heldout, mt-bench, or a JSONL file of {\"prompt\": ...}")
     parser.add_argument("--modes", nargs="+", default=list(BASELINES + TREE_MODES + ("auto",) + LOOKUP_MODES),
                         help="methods; a tree mode or auto with the suffix +lookup adds the lookup branch")
-    parser.add_argument("--budgets", type=int, nargs="+", default=[4, 8, 16, 32, 64])
-    parser.add_argument("--max-new-tokens", type=int, default=96)
+    parser.add_argument("--budgets", type=positive_int, nargs="+", default=[4, 8, 16, 32, 64])
+    parser.add_argument("--max-new-tokens", type=positive_int, default=96)
     parser.add_argument("--temperature", type=float, default=0.0)
-    parser.add_argument("--num-prompts", type=int, default=8)
-    parser.add_argument("--repeats", type=int, default=3)
-    parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--num-prompts", type=positive_int, default=8)
+    parser.add_argument("--repeats", type=positive_int, default=3)
+    parser.add_argument("--threads", type=positive_int, default=2)
+    parser.add_argument("--batch-size", type=positive_int, default=1,
+                        help="prompts per generate() call, left-padded; autoregressive is transformers' batched "
+                             "plain generate() on the same batches")
+    parser.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"],
+                        help="run dtype (auto: the weights' own, bfloat16 for the bundled pair)")
     parser.add_argument("--json")
     parser.add_argument("--plot")
     parser.set_defaults(func=run)

@@ -1,19 +1,98 @@
-"""The `treeflash-hf` command line."""
+"""The `treeflash-hf` command line.
+
+Failures a user can fix (missing or corrupt files, a path that is neither a folder nor a Hub id, no network or no
+token, bad knobs) end the command with one line on stderr, `error: ...`, naming the fix, and exit status 1 (2 for
+bad arguments); `--debug` (anywhere on the command line) shows the Python traceback instead.
+"""
 
 from __future__ import annotations
 
 import argparse
 import sys
+from pathlib import Path
+
+# arguments that name a model to read: each must be an existing folder or a Hub id
+MODEL_ARGUMENTS = {"target": "--target", "drafter": "--drafter", "tokenizer": "--tokenizer", "draft_lm": "--draft-lm"}
 
 
-def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="treeflash-hf", description="TreeFlash speculative decoding tools.")
+class ToolArgumentParser(argparse.ArgumentParser):
+    """An argument parser whose errors read `error: ...` under the usage line, like every other failure here."""
+
+    def error(self, message: str):
+        self.print_usage(sys.stderr)
+        self.exit(2, f"error: {message} (see `{self.prog} --help`)\n")
+
+
+def positive_int(value: str) -> int:
+    """An argparse type: an integer >= 1."""
+    number = _integer(value)
+    if number < 1:
+        raise argparse.ArgumentTypeError(f"{value} is not allowed: it must be an integer >= 1")
+    return number
+
+
+def non_negative_int(value: str) -> int:
+    """An argparse type: an integer >= 0."""
+    number = _integer(value)
+    if number < 0:
+        raise argparse.ArgumentTypeError(f"{value} is not allowed: it must be an integer >= 0")
+    return number
+
+
+def tree_budget(value: str) -> int | str:
+    """An argparse type for `--tree-budget`: `"auto"` or an integer >= 1 (the budget counts the root)."""
+    if value == "auto":
+        return value
+    number = _integer(value)
+    if number < 1:
+        raise argparse.ArgumentTypeError(
+            f"{value} is not allowed: it must be \"auto\" or an integer >= 1 (the budget counts the root, so 1 "
+            "means plain decoding)")
+    return number
+
+
+def _integer(value: str) -> int:
+    try:
+        return int(value)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{value!r} is not an integer") from None
+
+
+def model_argument_problem(value: str) -> str | None:
+    """Why `value` cannot name a model (None when it is a folder or could be a Hub id)."""
+    from huggingface_hub.errors import HFValidationError
+    from huggingface_hub.utils import validate_repo_id
+
+    path = Path(value).expanduser()
+    if path.is_dir():
+        return None
+    if path.exists():
+        return "is a file, not a model folder: pass the folder that holds config.json"
+    try:
+        validate_repo_id(value)
+    except HFValidationError:
+        return "is neither an existing folder nor a Hub model id (like org/name): check the path"
+    return None
+
+
+def check_model_arguments(args: argparse.Namespace) -> None:
+    for name, flag in MODEL_ARGUMENTS.items():
+        value = getattr(args, name, None)
+        if isinstance(value, str) and (problem := model_argument_problem(value)):
+            raise FileNotFoundError(f"{flag} {value} {problem}.")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = ToolArgumentParser(prog="treeflash-hf", description="TreeFlash speculative decoding tools.")
+    parser.add_argument("--debug", action="store_true",
+                        help="show the Python traceback of a failure (accepted anywhere on the command line)")
     sub = parser.add_subparsers(dest="command", required=True)
-    from . import ablate, bench, convert, demo, evaluate, hub, profile, reference
+    from . import ablate, bench, bundle, convert, demo, evaluate, hub, profile, reference, serve_bench
     from .training import cli as train_cli
 
     ablate.add_parser(sub)
     bench.add_parser(sub)
+    bundle.add_parser(sub)
     convert.add_parser(sub)
     demo.add_parser(sub)
     evaluate.add_parser(sub)
@@ -21,8 +100,71 @@ def main(argv: list[str] | None = None) -> int:
     train_cli.add_parser(sub)
     profile.add_parser(sub)
     reference.add_parser(sub)
-    args = parser.parse_args(argv)
-    return int(args.func(args) or 0)
+    serve_bench.add_parser(sub)
+    return parser
+
+
+def expected_errors() -> tuple[type[BaseException], ...]:
+    """Failures a user can fix, whose messages say how: the project's errors (`ValueError` subclasses, and
+    `CheckpointError`), missing files and Hub failures (`OSError`, which includes huggingface_hub's HTTP errors),
+    corrupt weights (safetensors' own error) and the HTTP client's connection errors."""
+    from .training.checkpoint import CheckpointError
+
+    errors: list[type[BaseException]] = [ValueError, OSError, CheckpointError]
+    try:
+        from safetensors import SafetensorError
+
+        errors.append(SafetensorError)
+    except ImportError:
+        pass
+    for client in ("httpx2", "httpx"):
+        try:
+            errors.append(__import__(client).HTTPError)
+        except (ImportError, AttributeError):
+            pass
+    return tuple(errors)
+
+
+def describe(err: BaseException) -> str:
+    """One line for an expected failure: its message, plus what to do where the message does not say."""
+    from .hub import is_network_error
+
+    message = " ".join(str(err).split()) or type(err).__name__
+    if is_network_error(err):
+        return (f"cannot reach the Hugging Face Hub ({message}): check the network connection, or use local folders "
+                "(HF_HUB_OFFLINE=1 reads only the local cache)")
+    if type(err).__name__ == "SafetensorError":
+        return f"a .safetensors weights file is truncated or corrupt ({message}): re-save or re-download it"
+    return message
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    debug = "--debug" in argv
+    argv = [arg for arg in argv if arg != "--debug"]
+    args = build_parser().parse_args(argv)
+    try:
+        check_model_arguments(args)
+        return int(args.func(args) or 0)
+    except KeyboardInterrupt:
+        if debug:
+            raise
+        print("error: interrupted", file=sys.stderr)
+        return 130
+    except SystemExit as stop:
+        if debug or not isinstance(stop.code, str):
+            raise
+        print(f"error: {stop.code.removeprefix('error: ')}", file=sys.stderr)
+        return 1
+    except Exception as err:
+        if debug:
+            raise
+        if isinstance(err, expected_errors()):
+            print(f"error: {describe(err)}", file=sys.stderr)
+        else:
+            print(f"error: unexpected {type(err).__name__}: {' '.join(str(err).split())} (this is a bug: rerun with "
+                  "--debug and report the traceback)", file=sys.stderr)
+        return 1
 
 
 if __name__ == "__main__":

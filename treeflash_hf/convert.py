@@ -34,7 +34,8 @@ def read_weights(src: Path) -> dict[str, torch.Tensor]:
         try:
             weights.update(load_file(str(path)))
         except Exception as err:
-            raise ConversionError(f"{path} is not a readable safetensors file ({err}).") from err
+            raise ConversionError(f"{path} is not a readable safetensors file ({err}): it is truncated or corrupt; "
+                                  "download the checkpoint again.") from err
     return weights
 
 

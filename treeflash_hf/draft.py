@@ -13,6 +13,7 @@ import torch
 from transformers import DynamicCache
 from transformers.generation.candidate_generator import CandidateGenerator
 
+from .cache import repack, select_rows
 from .lookup import with_lookup_branch
 from .options import TreeOptions
 from .tree import ChildList, DraftTree, best_first_tree, chain_tree, table_children
@@ -20,22 +21,19 @@ from .tree import ChildList, DraftTree, best_first_tree, chain_tree, table_child
 
 @dataclass
 class Shortlist:
-    """Per depth d = 1..D, the `C` most likely tokens of the marginal, the `lm_head` rows that score them and the
-    marginal's log-mass on them. Stage 2 scores AR rows on these tokens only (`C*H` instead of `V*H` per row)
-    and gives the shortlist the marginal's mass: with a zero AR layer that reproduces the marginal exactly.
+    """Per depth d = 1..D, the `C` most likely tokens of the marginal and the marginal's log-mass on them. Stage 2
+    scores AR rows on these tokens only (`C*H` instead of `V*H` per row) and gives the shortlist the marginal's
+    mass: with a zero AR layer that reproduces the marginal exactly.
 
-    tokens: `[D, C]` sorted by decreasing marginal probability; weight: `[H, D*C]` (depth-major columns);
-    bias: `[D, C]` or None; log_mass: `[D]`."""
+    tokens: `[D, C]` sorted by decreasing marginal probability; log_mass: `[D]`."""
 
     tokens: torch.LongTensor
-    weight: torch.Tensor
-    bias: torch.Tensor | None
     log_mass: torch.Tensor
 
 
 @dataclass
 class BlockDraft:
-    """One drafter forward. anchor_token: `b`; prev_token: the committed token before `b` (or -1);
+    """One row of a drafter forward. anchor_token: `b`; prev_token: the committed token before `b` (or -1);
     pre_norm_hidden: `[D+1, H]` backbone outputs for slots 0..D; marginal_log_probs: `[D, V]` for depths 1..D;
     shortlist: the stage-2 vocabulary per depth, or None for the full vocabulary."""
 
@@ -50,12 +48,55 @@ class BlockDraft:
         return int(self.marginal_log_probs.shape[0])
 
 
-class TreeFlashCandidateGenerator(CandidateGenerator):
-    """The drafting side of TreeFlash: keeps the drafter's context cache, drafts a block, builds trees.
+@dataclass
+class DraftContext:
+    """Target context features the drafter has not seen yet, one padded row per batch row.
 
-    Our verification loop calls `draft` -> `build_tree` -> (target verifies) -> `draft` again with the accepted
-    positions' context features. `get_candidates` also implements transformers' `CandidateGenerator` protocol
-    (chain mode, linear verification), so the same object runs inside stock assisted decoding.
+    features: `[R, C, n*H]`; positions: `[R, C]` their positions; valid: `[R, C]` false for padding (None: all
+    valid)."""
+
+    features: torch.Tensor
+    positions: torch.LongTensor
+    valid: torch.BoolTensor | None = None
+
+
+@dataclass
+class ARTable:
+    """Stage 2 for one row's top tree: `child_tokens` / `child_log_probs` `[D, M, K]`, entry `[d, j]` = the top-K
+    children (depth d+1) of the j-th parent at depth d: the root for d = 0 (j = 0 only), the token `top[d, j]` of
+    `S_d` for d >= 1. top: `[D, M]` (row 0 holds the anchor)."""
+
+    child_tokens: torch.LongTensor
+    child_log_probs: torch.Tensor
+    top: torch.LongTensor
+
+    def children(self):
+        """`children_of(depth, token)` for the best-first search (None: a leaf, no AR row)."""
+        tokens, log_probs = self.child_tokens.tolist(), self.child_log_probs.float().tolist()
+        index = [{token: j for j, token in enumerate(row)} for row in self.top.tolist()]
+        index[0] = {self.top[0, 0].item(): 0}
+
+        def children_of(depth: int, token: int) -> ChildList | None:
+            if depth >= len(index):
+                return None
+            j = 0 if depth == 0 else index[depth].get(token, -1)
+            return None if j < 0 else (tokens[depth][j], log_probs[depth][j])
+
+        return children_of
+
+
+def full_tensor(tensor: torch.Tensor | None) -> torch.Tensor | None:
+    """A tensor-parallel (DTensor) weight gathered into one plain tensor; any other tensor as it is."""
+    return tensor.full_tensor() if hasattr(tensor, "full_tensor") else tensor
+
+
+class TreeFlashCandidateGenerator(CandidateGenerator):
+    """The drafting side of TreeFlash: keeps the drafter's context cache, drafts a block per row, builds trees.
+
+    Our verification loop calls `draft` -> `build_trees` -> (target verifies) -> `draft` again with the accepted
+    positions' context features. Rows are batch rows: every call handles all rows of the working batch at once.
+    `get_candidates` also implements transformers' `CandidateGenerator` protocol (chain mode, linear
+    verification, batch 1), so the same object runs inside stock assisted decoding.
     """
 
     requires_model_outputs = True
@@ -72,21 +113,26 @@ class TreeFlashCandidateGenerator(CandidateGenerator):
         self.drafter = drafter
         self.options = options
         self.input_embeddings = target.get_input_embeddings()
-        self.lm_head = target.get_output_embeddings()
+        lm_head = target.get_output_embeddings()
+        # The target's head as plain tensors (a tensor-parallel head is gathered once): the drafter side indexes
+        # rows of it and must not take part in the target's collectives.
+        self.head_weight = full_tensor(lm_head.weight).to(drafter.device)  # [V, H]
+        self.head_bias = full_tensor(lm_head.bias)
         config = drafter.config
         self.target_layer_ids = list(config.target_layer_ids)
         self.block_size = config.block_size
         self.mask_token_id = config.mask_token_id
         self.two_prev_tokens = config.ar_num_prev_tokens == 2
         self.cache = DynamicCache(config=config)
+        self.key_valid: torch.BoolTensor | None = None  # [R, C] valid drafter-cache slots (None: all valid)
         self.do_sample = do_sample
         self.max_length = max_length
-        # How stage 2 runs (the same tree either way): "batched" evaluates every (depth, top-M token) row in one
-        # call (about M*Q rows); "lazy" evaluates only the rows of nodes the best-first search expands (at most
-        # budget - 1), with `ar_prefetch` likely-next rows per call. "auto" picks lazy when its calls cost less
-        # than the batched rows, counting one call as `call_cost_in_rows` rows: on a CPU a call's fixed cost
-        # (~0.3 ms, the work of ~3e7 multiply-adds there) over one row's AR-layer multiply-adds; effectively
-        # infinite on a GPU, where one big batch is nearly free.
+        # How stage 2 runs (the same tree either way): "batched" evaluates every (depth, top-M token) row of every
+        # batch row in one call (about M*Q rows each); "lazy" evaluates only the rows of nodes the best-first
+        # search expands (at most budget - 1), with `ar_prefetch` likely-next rows per call. "auto" picks lazy
+        # when its calls cost less than the batched rows, counting one call as `call_cost_in_rows` rows: on a CPU
+        # a call's fixed cost (~0.3 ms, the work of ~3e7 multiply-adds there) over one row's AR-layer
+        # multiply-adds; effectively infinite on a GPU, where one big batch is nearly free.
         self.ar_evaluation = ar_evaluation or "auto"
         self.ar_prefetch = 4
         ar_layer = drafter.ar_approximation
@@ -102,95 +148,95 @@ class TreeFlashCandidateGenerator(CandidateGenerator):
         self._stock_prefilled = False
 
     # ---- pipeline pieces -------------------------------------------------------------------------------
+    def embed(self, token_ids: torch.LongTensor) -> torch.Tensor:
+        """The target's input embeddings of `token_ids`, on the drafter's device (a target split over devices
+        keeps its embedding table wherever its first layers are)."""
+        return self.input_embeddings(token_ids).to(self.device)
+
+    def head_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """The target's `lm_head` on drafter hidden states `[..., H]` -> `[..., V]`."""
+        logits = hidden @ self.head_weight.T
+        return logits if self.head_bias is None else logits + self.head_bias
+
     def context_features(self, hidden_states: tuple, positions: torch.LongTensor | slice) -> torch.Tensor:
-        """Concatenate the target-layer outputs at `positions` (sequence axis): `[1, C, n*H]`."""
-        return torch.cat([hidden_states[i + 1][:, positions] for i in self.target_layer_ids], dim=-1)
+        """Concatenate the target-layer outputs (each gathered to the drafter's device, wherever its layer runs) at
+        `positions`: a slice of the sequence axis, or `[R, K]` per-row indices. Returns `[R, C or K, n*H]`."""
+        layers = [hidden_states[i + 1].to(self.device) for i in self.target_layer_ids]
+        if isinstance(positions, slice):
+            return torch.cat([layer[:, positions] for layer in layers], dim=-1)
+        index = positions.to(self.device)[..., None].expand(-1, -1, layers[0].shape[-1])
+        return torch.cat([layer.gather(1, index) for layer in layers], dim=-1)
 
     @torch.no_grad()
     def draft(
         self,
-        anchor_token: int,
-        anchor_position: int,
-        new_context: torch.Tensor,
+        anchor_tokens: list[int],
+        anchor_positions: torch.LongTensor,
+        context: DraftContext,
         max_depth: int,
-        prev_token: int = -1,
-    ) -> BlockDraft:
-        """Append `new_context [1, C, n*H]` (positions `anchor_position - C .. anchor_position - 1`) to the drafter
-        cache and draft the block anchored at `anchor_token`. Only depths `1..max_depth` are scored."""
+        prev_tokens: list[int] | None = None,
+    ) -> list[BlockDraft]:
+        """One drafter forward for every row: append `context` to the drafter cache and draft the block anchored at
+        `anchor_tokens[r]` (position `anchor_positions[r]`). Only depths `1..max_depth` are scored."""
         device = self.device
-        q_len = self.block_size
-        noise_ids = torch.full((1, q_len), self.mask_token_id, dtype=torch.long, device=device)
-        noise_ids[0, 0] = anchor_token
-        num_context = new_context.shape[1]
-        position_ids = torch.arange(anchor_position - num_context, anchor_position + q_len, device=device)[None]
+        rows, q_len = len(anchor_tokens), self.block_size
+        noise_ids = torch.full((rows, q_len), self.mask_token_id, dtype=torch.long, device=device)
+        noise_ids[:, 0] = torch.tensor(anchor_tokens, device=device)
+        block_positions = anchor_positions[:, None] + torch.arange(q_len)  # [R, Q]
+        position_ids = torch.cat([context.positions, block_positions], dim=1).to(device)
+        new_valid = context.valid
+        if self.key_valid is None and new_valid is None:
+            attention_mask = None  # every key valid: no mask
+        else:
+            num_context = context.features.shape[1]
+            old = self.key_valid if self.key_valid is not None else torch.ones(rows, self.cache.get_seq_length(),
+                                                                               dtype=torch.bool)
+            new = new_valid if new_valid is not None else torch.ones(rows, num_context, dtype=torch.bool)
+            self.key_valid = torch.cat([old.cpu(), new.cpu()], dim=1)
+            attention_mask = torch.cat([self.key_valid, torch.ones(rows, q_len, dtype=torch.bool)], dim=1).to(device)
         out = self.drafter(
-            noise_embeds=self.input_embeddings(noise_ids),
-            context_hidden_states=new_context.to(device),
+            noise_embeds=self.embed(noise_ids),
+            context_hidden_states=context.features.to(device),
             position_ids=position_ids,
+            attention_mask=attention_mask,
             cache=self.cache,
         )
         self.cache.crop(-q_len)  # keep the context K/V, drop the block's
         depth = max(0, min(q_len - 1, max_depth))
-        logits = self.lm_head(out.last_hidden_state[0, 1 : depth + 1])  # [D, V]
+        logits = self.head_logits(out.last_hidden_state[:, 1 : depth + 1])  # [R, D, V]
         marginal_log_probs = torch.log_softmax(logits.float(), dim=-1)
-        return BlockDraft(
-            anchor_token=anchor_token,
-            prev_token=prev_token,
-            pre_norm_hidden=out.pre_norm_hidden_state[0, : depth + 1],
-            marginal_log_probs=marginal_log_probs,
-            shortlist=self.shortlist(marginal_log_probs) if self.options.tree_mode == "treeflash" else None,
-        )
+        shortlists = self.shortlists(marginal_log_probs) if self.options.tree_mode == "treeflash" else None
+        prev_tokens = prev_tokens or [-1] * rows
+        return [
+            BlockDraft(
+                anchor_token=anchor_tokens[row],
+                prev_token=prev_tokens[row],
+                pre_norm_hidden=out.pre_norm_hidden_state[row, : depth + 1],
+                marginal_log_probs=marginal_log_probs[row],
+                shortlist=None if shortlists is None else shortlists[row],
+            )
+            for row in range(rows)
+        ]
 
-    def shortlist(self, marginal_log_probs: torch.Tensor) -> Shortlist | None:
-        """The stage-2 `Shortlist` of marginals `[D, V]`, or None when rows score the full vocabulary."""
+    def shortlists(self, marginal_log_probs: torch.Tensor) -> list[Shortlist] | None:
+        """The stage-2 `Shortlist` of each row of marginals `[R, D, V]`, or None when rows score the full
+        vocabulary."""
         size = self.ar_shortlist
-        if size is None or size >= marginal_log_probs.shape[-1] or marginal_log_probs.shape[0] == 0:
+        if size is None or size >= marginal_log_probs.shape[-1] or marginal_log_probs.shape[1] == 0:
             return None
-        top = marginal_log_probs.topk(size, dim=-1)  # [D, C], sorted
-        bias = self.lm_head.bias
-        return Shortlist(
-            tokens=top.indices,
-            weight=self.lm_head.weight[top.indices.flatten()].T,  # [H, D*C]
-            bias=None if bias is None else bias[top.indices],
-            log_mass=torch.logsumexp(top.values, dim=-1),
-        )
+        top = marginal_log_probs.topk(size, dim=-1)  # [R, D, C], sorted
+        log_mass = torch.logsumexp(top.values, dim=-1)  # [R, D]
+        return [Shortlist(tokens, mass) for tokens, mass in zip(top.indices, log_mass)]
 
-    @torch.no_grad()
-    def ar_children(
-        self, block: BlockDraft, parent_depths: torch.LongTensor, parent_tokens: torch.LongTensor
-    ) -> tuple[torch.LongTensor, torch.Tensor]:
-        """Stage 2, for `R` rows at once: the top-K children (depth d+1) of a node carrying `parent_tokens[r]`
-        at depth `d = parent_depths[r]`, from the AR-corrected distribution `q'_{d+1}(. | parent token)`.
-        Returns `child_tokens [R, K]` and `child_log_probs [R, K]`, sorted by decreasing log-prob."""
-        device = block.pre_norm_hidden.device
-        parent_depths, parent_tokens = parent_depths.to(device), parent_tokens.to(device)
-        hidden_rows = block.pre_norm_hidden[parent_depths + 1]  # [R, H]
-        prev2_embeds = None
-        if self.two_prev_tokens:
-            # Token two back: known for depth 0 (the committed token before b) and depth 1 (b); deeper rows
-            # use the top-1 marginal token of depth d-1 as a stand-in (rows are per (depth, token), not per path).
-            top1 = block.marginal_log_probs.argmax(dim=-1)  # [D]: depth 1..D
-            known = torch.tensor([max(block.prev_token, 0), block.anchor_token], device=device)
-            lookup = torch.cat([known, top1])  # index d -> token two back of a depth-d parent
-            prev2_embeds = self.input_embeddings(lookup[parent_depths])
-        corrected = self.drafter.ar_corrected_hidden_states(
-            hidden_rows, self.input_embeddings(parent_tokens), prev2_embeds
-        )  # [R, H]
-        shortlist = block.shortlist
-        if shortlist is None:
-            log_probs = torch.log_softmax(self.lm_head(corrected).float(), dim=-1)  # [R, V]
-            child = log_probs.topk(min(self.options.tree_top_k, log_probs.shape[-1]), dim=-1)
-            return child.indices, child.values
-        # Row r scores the shortlist of its children's depth d+1 (index d of the `[D, ...]` tables). One product
-        # against every depth's shortlist, then each row keeps its own depth's block: no per-row weight copies.
-        num_depths, size = shortlist.tokens.shape
-        rows = torch.arange(len(parent_depths), device=device)
-        logits = (corrected @ shortlist.weight).view(-1, num_depths, size)[rows, parent_depths]  # [R, C]
-        if shortlist.bias is not None:
-            logits = logits + shortlist.bias[parent_depths]
-        log_probs = torch.log_softmax(logits.float(), dim=-1) + shortlist.log_mass[parent_depths, None]
-        child = log_probs.topk(min(self.options.tree_top_k, size), dim=-1)
-        return shortlist.tokens[parent_depths].gather(1, child.indices), child.values
+    def select_rows(self, rows: torch.LongTensor) -> None:
+        """Keep only `rows` of the drafter cache (finished rows leave the batch)."""
+        select_rows(self.cache, rows)
+        if self.key_valid is not None:
+            self.key_valid = self.key_valid[rows.cpu()]
+
+    def repack(self) -> None:
+        """Re-pack the drafter cache when invalid slots pile up (see `cache.repack`)."""
+        self.key_valid = repack(self.cache, self.key_valid)
 
     def top_tokens(self, block: BlockDraft) -> torch.LongTensor:
         """Stage 1: `S_d`, the top-M tokens of each marginal, `[D, M]` for depths 1..D."""
@@ -199,56 +245,131 @@ class TreeFlashCandidateGenerator(CandidateGenerator):
             return block.shortlist.tokens[:, :top_m]
         return block.marginal_log_probs.topk(top_m, dim=-1).indices
 
-    def ar_tables(self, block: BlockDraft) -> tuple[torch.LongTensor, torch.Tensor, list[dict[int, int]]]:
-        """Stage 2 for the whole top tree in one batch: row 0 = children of the root (previous token `b`), then
-        for each depth d in 1..D-1 and each w in `S_d`, the children of w. Returns `child_tokens [R, K]`,
-        `child_log_probs [R, K]` and, per depth d = 1..D-1, `{w: row}`."""
-        depth = block.depth
-        top = self.top_tokens(block)[: depth - 1]  # [D-1, M]
+    def score_rows(self, corrected: torch.Tensor, shortlist_tokens: torch.LongTensor | None,
+                   log_mass: torch.Tensor | None) -> tuple[torch.LongTensor, torch.Tensor]:
+        """Score AR-corrected hidden rows `[..., G, H]` (a group of G rows shares one child depth) on their group's
+        shortlist `[..., C]` (with the marginal's `log_mass [...]`), or on the full vocabulary when None. Returns
+        the top-K `child_tokens` and `child_log_probs`, `[..., G, K]`, sorted."""
+        top_k = self.options.tree_top_k
+        if shortlist_tokens is None:
+            log_probs = torch.log_softmax(self.head_logits(corrected).float(), dim=-1)  # [..., G, V]
+            child = log_probs.topk(min(top_k, log_probs.shape[-1]), dim=-1)
+            return child.indices, child.values
+        weight = self.head_weight[shortlist_tokens]  # [..., C, H]
+        logits = corrected @ weight.transpose(-1, -2)  # [..., G, C]
+        if self.head_bias is not None:
+            logits = logits + self.head_bias[shortlist_tokens][..., None, :]
+        log_probs = torch.log_softmax(logits.float(), dim=-1) + log_mass[..., None, None]
+        child = log_probs.topk(min(top_k, log_probs.shape[-1]), dim=-1)
+        tokens = shortlist_tokens[..., None, :].expand(child.indices.shape[:-1] + shortlist_tokens.shape[-1:])
+        return tokens.gather(-1, child.indices), child.values
+
+    def prev2_embeddings(self, blocks: list[BlockDraft], parent_depths: torch.LongTensor) -> torch.Tensor | None:
+        """Embeddings of the token two back of parents at `parent_depths [R, ...]` (2-token AR variant only):
+        known for depth 0 (the committed token before b) and depth 1 (b); deeper parents use the top-1 marginal
+        token of depth d-1 as a stand-in (rows are per (depth, token), not per path)."""
+        if not self.two_prev_tokens:
+            return None
+        lookup = torch.stack([
+            torch.cat([torch.tensor([max(block.prev_token, 0), block.anchor_token], device=self.device),
+                       block.marginal_log_probs.argmax(dim=-1)])
+            for block in blocks
+        ])  # [R, D+2]: index d -> the token two back of a depth-d parent
+        flat = parent_depths.reshape(len(blocks), -1).to(self.device)
+        return self.embed(lookup.gather(1, flat).view(parent_depths.shape))
+
+    @torch.no_grad()
+    def ar_tables(self, blocks: list[BlockDraft], max_depth: int) -> list[ARTable]:
+        """Stage 2 for every row's top tree in one batch: for each parent depth d = 0..D'-1 (D' = `max_depth`) and
+        each of the M parents there (the root at d = 0, `S_d` below), the top-K children from the AR-corrected
+        distribution `q'_{d+1}(. | parent)`: about `M*D'` rows per batch row, independent of the budget."""
+        device = self.device
+        rows = len(blocks)
+        top = torch.stack([self.top_tokens(block)[: max_depth - 1] for block in blocks])  # [R, D'-1, M]
         top_m = top.shape[-1]
-        parent_depths = torch.cat([torch.zeros(1, dtype=torch.long),
-                                   torch.arange(1, depth).repeat_interleave(top_m)])
-        parent_tokens = torch.cat([torch.tensor([block.anchor_token]), top.flatten().cpu()])
-        child_tokens, child_log_probs = self.ar_children(block, parent_depths, parent_tokens)
-        row_of = [{token: 1 + d * top_m + j for j, token in enumerate(row)} for d, row in enumerate(top.tolist())]
-        return child_tokens, child_log_probs, row_of
+        anchors = torch.tensor([block.anchor_token for block in blocks], device=device)
+        parents = torch.cat([anchors[:, None, None].expand(rows, 1, top_m), top.to(device)], dim=1)  # [R, D', M]
+        parent_depths = torch.arange(max_depth, device=device)[None, :, None].expand(rows, -1, top_m)
+        hidden = torch.stack([block.pre_norm_hidden[1 : max_depth + 1] for block in blocks])  # [R, D', H]
+        corrected = self.drafter.ar_corrected_hidden_states(
+            hidden[:, :, None].expand(-1, -1, top_m, -1), self.embed(parents),
+            self.prev2_embeddings(blocks, parent_depths),
+        )  # [R, D', M, H]
+        if blocks[0].shortlist is None:
+            child_tokens, child_log_probs = self.score_rows(corrected, None, None)
+        else:
+            shortlist = torch.stack([block.shortlist.tokens[:max_depth] for block in blocks])  # [R, D', C]
+            log_mass = torch.stack([block.shortlist.log_mass[:max_depth] for block in blocks])  # [R, D']
+            child_tokens, child_log_probs = self.score_rows(corrected, shortlist, log_mass)
+        return [ARTable(child_tokens[row].cpu(), child_log_probs[row].cpu(), parents[row].cpu())
+                for row in range(rows)]
 
-    def build_tree(
-        self, block: BlockDraft, budget: int, lookup: tuple[list[int], list[float]] | None = None
-    ) -> DraftTree:
-        """Stage 3: the tree of at most `budget` nodes (root included) for the configured mode. `lookup` =
-        (tokens, conditional log-prob of each) adds a lookup branch below the root (tree modes; `lookup.py`)."""
-        max_depth = min(block.depth, budget - 1)
+    @torch.no_grad()
+    def ar_rows(
+        self, block: BlockDraft, parent_depths: torch.LongTensor, parent_tokens: torch.LongTensor
+    ) -> tuple[torch.LongTensor, torch.Tensor]:
+        """Stage 2 for chosen parents of one row (lazy evaluation): the top-K children (depth d+1) of a node
+        carrying `parent_tokens[i]` at depth `d = parent_depths[i]`. Returns `child_tokens [G, K]` and
+        `child_log_probs [G, K]`, sorted by decreasing log-prob."""
+        device = self.device
+        parent_depths, parent_tokens = parent_depths.to(device), parent_tokens.to(device)
+        corrected = self.drafter.ar_corrected_hidden_states(
+            block.pre_norm_hidden[parent_depths + 1], self.embed(parent_tokens),
+            self.prev2_embeddings([block], parent_depths[None])[0] if self.two_prev_tokens else None,
+        )  # [G, H]
+        if block.shortlist is None:
+            return self.score_rows(corrected, None, None)
+        # each parent is its own group of one row, scored on the shortlist of its children's depth
+        tokens, log_probs = self.score_rows(corrected[:, None], block.shortlist.tokens[parent_depths],
+                                            block.shortlist.log_mass[parent_depths])
+        return tokens[:, 0], log_probs[:, 0]
+
+    def build_tree(self, block: BlockDraft, budget: int, lookup: tuple[list[int], list[float]] | None = None,
+                   max_depth: int | None = None) -> DraftTree:
+        """One row's tree (see `build_trees`)."""
+        return self.build_trees([block], budget, [lookup], max_depth)[0]
+
+    def build_trees(self, blocks: list[BlockDraft], budget: int,
+                    lookups: list[tuple[list[int], list[float]] | None], max_depth: int | None = None
+                    ) -> list[DraftTree]:
+        """Stage 3: each row's tree of at most `budget` nodes (root included) for the configured mode, no deeper
+        than `max_depth`. `lookups[r]` = (tokens, conditional log-prob of each) adds a lookup branch below row r's
+        root (tree modes; `lookup.py`)."""
+        depth = min(blocks[0].depth, budget - 1, blocks[0].depth if max_depth is None else max_depth)
         mode = self.options.tree_mode
-        if max_depth <= 0 or mode == "chain":
-            best = block.marginal_log_probs[:max(max_depth, 0)].max(dim=-1)
-            return chain_tree(block.anchor_token, best.indices.cpu(), best.values.cpu())
+        if depth <= 0 or mode == "chain":
+            best = [block.marginal_log_probs[: max(depth, 0)].max(dim=-1) for block in blocks]
+            return [chain_tree(block.anchor_token, b.indices.cpu(), b.values.cpu()) for block, b in zip(blocks, best)]
 
-        def search(children_of, prefetch=None, prefetch_size: int = 0) -> DraftTree:
+        def search(block, lookup, children_of, prefetch=None, prefetch_size: int = 0) -> DraftTree:
             if lookup is not None and lookup[0]:
                 children_of = with_lookup_branch(children_of, *lookup)
-            return best_first_tree(block.anchor_token, children_of, budget, max_depth, prefetch, prefetch_size)
+            return best_first_tree(block.anchor_token, children_of, budget, depth, prefetch, prefetch_size)
 
         if mode == "marginal_tree":
-            child = block.marginal_log_probs[:max_depth].topk(self.options.tree_top_k, dim=-1)
             # row d holds the children at depth d+1, whatever the parent
-            return search(table_children(child.indices, child.values, lambda depth, token: depth))
-        batched_rows = 1 + (max_depth - 1) * self.options.tree_top_m
+            marginal = torch.stack([b.marginal_log_probs[:depth] for b in blocks]).topk(self.options.tree_top_k,
+                                                                                       dim=-1)
+            return [search(block, lookup, table_children(tokens, values, lambda d, token: d))
+                    for block, lookup, tokens, values in zip(blocks, lookups, marginal.indices, marginal.values)]
+        batched_rows = 1 + (depth - 1) * self.options.tree_top_m
         lazy_cost = (budget - 1) * self.call_cost_in_rows
         if self.ar_evaluation == "batched" or (self.ar_evaluation == "auto" and lazy_cost >= batched_rows):
-            child_tokens, child_log_probs, row_of = self.ar_tables(block)
-            return search(table_children(
-                child_tokens, child_log_probs, lambda d, token: 0 if d == 0 else row_of[d - 1].get(token, -1)
-            ))
-        lazy = LazyARChildren(self, block)
-        # Guess which nodes the search will expand by running it on the marginals (a stand-in for the AR rows,
-        # cheap), compute those rows in one call, then search for real; rows it missed are computed on demand.
-        marginal = block.marginal_log_probs[:max_depth].topk(self.options.tree_top_k, dim=-1)
-        stand_in = table_children(marginal.indices, marginal.values,
-                                  lambda depth, token: depth if lazy.has_children(depth, token) else -1)
-        guess = best_first_tree(block.anchor_token, stand_in, budget, max_depth)
-        lazy.prefetch(list(zip(guess.depths.tolist(), guess.tokens.tolist())))
-        return search(lazy.children_of, lazy.prefetch, self.ar_prefetch)
+            tables = self.ar_tables(blocks, depth)
+            return [search(block, lookup, table.children()) for block, lookup, table in zip(blocks, lookups, tables)]
+        trees = []
+        for block, lookup in zip(blocks, lookups):
+            lazy = LazyARChildren(self, block)
+            # Guess which nodes the search will expand by running it on the marginals (a stand-in for the AR
+            # rows, cheap), compute those rows in one call, then search for real; rows it missed are computed on
+            # demand.
+            marginal = block.marginal_log_probs[:depth].topk(self.options.tree_top_k, dim=-1)
+            stand_in = table_children(marginal.indices, marginal.values,
+                                      lambda d, token: d if lazy.has_children(d, token) else -1)
+            guess = best_first_tree(block.anchor_token, stand_in, budget, depth)
+            lazy.prefetch(list(zip(guess.depths.tolist(), guess.tokens.tolist())))
+            trees.append(search(block, lookup, lazy.children_of, lazy.prefetch, self.ar_prefetch))
+        return trees
 
     # ---- transformers' CandidateGenerator protocol (chain mode, stock linear verification) ---------------
     @torch.no_grad()
@@ -270,9 +391,10 @@ class TreeFlashCandidateGenerator(CandidateGenerator):
             return input_ids, None
         num_new = n_last_matches + 1 if self._stock_prefilled else input_ids.shape[1] - 1
         self._stock_prefilled = True
-        new_context = self.context_features(model_outputs.hidden_states, slice(0, num_new))
+        features = self.context_features(model_outputs.hidden_states, slice(0, num_new))
         anchor_position = input_ids.shape[1] - 1
-        block = self.draft(int(input_ids[0, -1]), anchor_position, new_context, depth)
+        context = DraftContext(features, torch.arange(anchor_position - num_new, anchor_position)[None])
+        block = self.draft([int(input_ids[0, -1])], torch.tensor([anchor_position]), context, depth)[0]
         if self.do_sample:
             drafted = torch.multinomial(block.marginal_log_probs.exp(), 1)[:, 0]
         else:
@@ -305,7 +427,7 @@ class LazyARChildren:
             return
         depths = torch.tensor([d for d, _ in missing], dtype=torch.long)
         tokens = torch.tensor([t for _, t in missing], dtype=torch.long)
-        child_tokens, child_log_probs = self.generator.ar_children(self.block, depths, tokens)
+        child_tokens, child_log_probs = self.generator.ar_rows(self.block, depths, tokens)
         for key, row_tokens, row_log_probs in zip(missing, child_tokens.tolist(), child_log_probs.tolist()):
             self.rows[key] = (row_tokens, row_log_probs)
 

@@ -36,7 +36,7 @@ def eval_distributions(target, drafter, prompts_ids: list[torch.LongTensor], con
             for s in SOURCES}
     count = torch.zeros(depths)
     generator = TreeFlashCandidateGenerator(drafter, target, TreeOptions())
-    embed, head = generator.input_embeddings, generator.lm_head
+    embed, head = generator.embed, generator.head_logits
     torch.manual_seed(seed)
     for ids in prompts_ids:
         sequence = target.generate(ids, max_new_tokens=continuation + block, do_sample=False)

@@ -1,8 +1,11 @@
-"""Publishing drafters: the repo layout `push` uploads (and `--dry-run` writes), model cards, the upload.
+"""Publishing drafters and TreeFlash model folders: the repo layout `push` uploads (and `--dry-run` writes), model
+cards, the upload.
 
-Layout: `config.json` (with `auto_map`), `model.safetensors` (sharded when large), `generation_config.json`
+Drafter layout: `config.json` (with `auto_map`), `model.safetensors` (sharded when large), `generation_config.json`
 (tree defaults), the remote-code model files, `README.md` (model card) and `custom_generate/` (the engine
 modules, copied from this package, plus `generate.py`).
+TreeFlash model folder (`treeflash-hf bundle`, see bundle.py): the target's files, `treeflash.json` (the drafter's
+Hub id), `custom_generate/` and a model card saying what it is.
 """
 
 from __future__ import annotations
@@ -16,21 +19,49 @@ from pathlib import Path
 import torch
 
 PACKAGE_DIR = Path(__file__).resolve().parent
-CARD_TEMPLATE = PACKAGE_DIR.parent / "hub_cards" / "treeflash_drafter.md"
-ENGINE_MODULES = ("accept", "budget", "cache", "draft", "generation", "learned", "lookup", "options", "tree",
+CARD_TEMPLATES = {"drafter": "treeflash_drafter.md", "bundle": "treeflash_target.md"}
+ENGINE_MODULES = ("accept", "budget", "cache", "draft", "generation", "learned", "lookup", "options", "sync", "tree",
                   "validation", "verify")
 REQUIRED_CONFIG_FIELDS = ("model_type", "hidden_size", "vocab_size", "block_size", "mask_token_id",
                           "target_layer_ids", "num_target_layers", "auto_map")
 
 
 class PublishError(ValueError):
-    """A drafter folder that would not load from the Hub; the message says what is missing."""
+    """A drafter or TreeFlash model folder that would not load from the Hub (or cannot reach it); the message says
+    what is missing and what to do."""
 
 
-def card_template_path() -> Path:
-    if CARD_TEMPLATE.exists():
-        return CARD_TEMPLATE
-    return PACKAGE_DIR / "hub_cards" / "treeflash_drafter.md"  # installed (non-editable) copy
+def card_template_path(kind: str = "drafter") -> Path:
+    source = PACKAGE_DIR.parent / "hub_cards" / CARD_TEMPLATES[kind]
+    if source.exists():
+        return source
+    return PACKAGE_DIR / "hub_cards" / CARD_TEMPLATES[kind]  # installed (non-editable) copy
+
+
+def write_custom_generate(folder: Path, entry: str) -> Path:
+    """Write `folder/custom_generate/`: this package's engine modules copied file for file, the package module
+    `entry` as `generate.py`, and the requirements. What was there is replaced, so a dropped module does not linger."""
+    generate_dir = Path(folder) / "custom_generate"
+    if generate_dir.exists():
+        shutil.rmtree(generate_dir)
+    generate_dir.mkdir(parents=True)
+    for module in ENGINE_MODULES:
+        shutil.copyfile(PACKAGE_DIR / f"{module}.py", generate_dir / f"{module}.py")
+    shutil.copyfile(PACKAGE_DIR / entry, generate_dir / "generate.py")
+    (generate_dir / "requirements.txt").write_text("torch\ntransformers>=5.24,<5.25\n")
+    missing = missing_relative_imports(generate_dir)
+    if missing:  # transformers would then skip custom_generate/ without a word, leaving the plain model
+        raise PublishError(f"The engine imports modules that custom_generate/ lacks: {missing}. Add them to "
+                           "ENGINE_MODULES in treeflash_hf/hub.py.")
+    return generate_dir
+
+
+def missing_relative_imports(folder: Path) -> list[str]:
+    """Modules that the `.py` files of `folder` import relatively (`from .x import y`) but that `folder` lacks."""
+    from transformers.dynamic_module_utils import get_relative_imports
+
+    return sorted({name for path in Path(folder).glob("*.py") for name in get_relative_imports(path)
+                   if not (Path(folder) / f"{name}.py").exists()})
 
 
 def eval_results(bench: dict, base_model: str) -> tuple[list, str]:
@@ -98,16 +129,12 @@ def prepare_repo(drafter_dir: str | Path, out_dir: str | Path, repo_id: str, bas
     import treeflash_hf  # noqa: F401  (registers the drafter class)
 
     drafter_dir, out_dir = Path(drafter_dir), Path(out_dir)
+    check_model_folder(drafter_dir)
     drafter = AutoModel.from_pretrained(drafter_dir, dtype="auto")
     out_dir.mkdir(parents=True, exist_ok=True)
     drafter.save_pretrained(out_dir, max_shard_size=max_shard_size)  # config + auto_map + remote code + weights
     drafter.generation_config.save_pretrained(out_dir)
-    generate_dir = out_dir / "custom_generate"
-    generate_dir.mkdir(exist_ok=True)
-    for module in ENGINE_MODULES:
-        shutil.copyfile(PACKAGE_DIR / f"{module}.py", generate_dir / f"{module}.py")
-    shutil.copyfile(PACKAGE_DIR / "hub_generate.py", generate_dir / "generate.py")
-    (generate_dir / "requirements.txt").write_text("torch\ntransformers>=5.24,<5.25\n")
+    write_custom_generate(out_dir, "hub_generate.py")
     if (drafter_dir / "training_summary.json").exists():
         shutil.copyfile(drafter_dir / "training_summary.json", out_dir / "training_summary.json")
     base = base_model or drafter.config.to_dict().get("base_model") or "unknown"
@@ -116,11 +143,38 @@ def prepare_repo(drafter_dir: str | Path, out_dir: str | Path, repo_id: str, bas
     return out_dir
 
 
-def check_publishable(folder: Path) -> None:
-    """Refuse a folder that would not load: missing files or config fields, weights that do not match."""
+def check_model_folder(folder: Path) -> None:
+    """A folder with a config and readable weights (a truncated or corrupt weights file is named)."""
+    if not (folder / "config.json").is_file():
+        raise PublishError(f"{folder} is not a model folder (no config.json): pass the folder that holds the model.")
+    weight_shapes(folder)
+
+
+def weight_shapes(folder: Path, error: type[Exception] = PublishError) -> dict[str, tuple[int, ...]]:
+    """The shape of every tensor in the folder's `*.safetensors` files, read from their headers; a truncated or
+    corrupt file raises `error` naming it."""
     from safetensors import safe_open
 
+    shapes = {}
+    for path in sorted(Path(folder).glob("*.safetensors")):
+        try:
+            with safe_open(str(path), framework="pt") as handle:
+                for key in handle.keys():
+                    shapes[key] = tuple(handle.get_slice(key).get_shape())
+        except Exception as err:  # safetensors raises its own SafetensorError
+            raise error(f"{path} is not a readable safetensors file ({err}): it is truncated or corrupt; "
+                        "re-save or re-download it.") from err
+    return shapes
+
+
+def check_publishable(folder: Path) -> None:
+    """Refuse a folder that would not load: missing files or config fields, weights that do not match."""
+    from .bundle import is_bundle
+
     folder = Path(folder)
+    if is_bundle(folder):
+        check_bundle_publishable(folder)
+        return
     missing = [name for name in ("config.json", "README.md", "generation_config.json",
                                  "modeling_treeflash_drafter.py", "configuration_treeflash_drafter.py",
                                  "custom_generate/generate.py") if not (folder / name).exists()]
@@ -131,8 +185,8 @@ def check_publishable(folder: Path) -> None:
     absent = [f for f in REQUIRED_CONFIG_FIELDS if f not in config]
     if absent:
         raise PublishError(f"{folder}/config.json lacks {absent}: save the drafter with treeflash-hf's classes.")
-    weight_files = sorted(folder.glob("*.safetensors"))
-    if not weight_files:
+    found = weight_shapes(folder)
+    if not found:
         raise PublishError(f"{folder} has no safetensors weights.")
     from transformers import AutoConfig
 
@@ -142,51 +196,178 @@ def check_publishable(folder: Path) -> None:
     with torch.device("meta"):
         expected = {k: tuple(v.shape) for k, v in
                     TreeFlashDrafterModel(AutoConfig.from_pretrained(folder)).state_dict().items()}
-    found = {}
-    for path in weight_files:
-        with safe_open(str(path), framework="pt") as handle:
-            for key in handle.keys():
-                found[key] = tuple(handle.get_slice(key).get_shape())
     if found != expected:
         wrong = sorted(set(found) ^ set(expected)) or [k for k in expected if expected[k] != found.get(k)]
         raise PublishError(f"The weights in {folder} do not match its config (first differences: {wrong[:5]}).")
 
 
+# ---- TreeFlash model folders (a target that generates with TreeFlash, see bundle.py) ---------------------------
+
+def hub_drafter_ref(folder: Path, drafter_ref: str | None) -> str:
+    """The drafter a published folder records: `drafter_ref`, else the folder's own record. It must be a Hub id: a
+    Hub repo cannot reach a local path."""
+    from huggingface_hub.errors import HFValidationError
+    from huggingface_hub.utils import validate_repo_id
+
+    from .bundle_generate import BUNDLE_FILE
+
+    reference = drafter_ref or json.loads((folder / BUNDLE_FILE).read_text())["drafter"]
+    try:
+        validate_repo_id(reference)
+        hub_id = drafter_ref is not None or not (folder / reference).is_dir()
+    except HFValidationError:
+        hub_id = False
+    if not hub_id:
+        raise PublishError(
+            f"The drafter of {folder} is the local path {reference!r}, which a Hub repo cannot reach: push the "
+            "drafter first (`treeflash-hf push DRAFTER_DIR --repo-id ORG/DRAFTER`), then pass --drafter-ref "
+            "ORG/DRAFTER.")
+    return reference
+
+
+def render_bundle_card(folder: Path, repo_id: str, base_model: str | None, drafter_ref: str,
+                       bench: dict | None = None, license: str = "apache-2.0"):
+    """The model card (a `huggingface_hub.ModelCard`) of a TreeFlash model folder."""
+    from huggingface_hub import ModelCard, ModelCardData
+
+    config = json.loads((folder / "config.json").read_text())
+    results, eval_section = ([], "No benchmark was given when this card was rendered.")
+    if bench is not None:
+        results, eval_section = eval_results(bench, base_model or repo_id)
+    data = ModelCardData(
+        base_model=base_model, library_name="transformers", license=license, pipeline_tag="text-generation",
+        tags=["speculative-decoding", "treeflash", "custom_generate"], model_name=repo_id.split("/")[-1],
+        eval_results=results or None,
+    )
+    return ModelCard.from_template(
+        data, template_path=str(card_template_path("bundle")), repo_id=repo_id,
+        base_model=base_model or "the target", architecture=(config.get("architectures") or ["?"])[0],
+        drafter=drafter_ref, eval_section=eval_section,
+    )
+
+
+def prepare_bundle_repo(folder: str | Path, out_dir: str | Path, repo_id: str, base_model: str | None = None,
+                        bench: dict | None = None, drafter_ref: str | None = None) -> Path:
+    """Write, into `out_dir`, exactly the files `push` uploads for the TreeFlash model folder `folder`: its target
+    files, fresh `custom_generate/` code, `treeflash.json` naming the drafter's Hub id, and the card."""
+    from .bundle import copy_model_files, write_bundle_code
+
+    folder, out_dir = Path(folder), Path(out_dir)
+    reference = hub_drafter_ref(folder, drafter_ref)
+    weight_shapes(folder)
+    copy_model_files(folder, out_dir)
+    write_bundle_code(out_dir, reference)
+    render_bundle_card(out_dir, repo_id, base_model, reference, bench).save(out_dir / "README.md")
+    check_publishable(out_dir)
+    return out_dir
+
+
+def check_bundle_publishable(folder: Path) -> None:
+    """Refuse a TreeFlash model folder that would not load from the Hub: missing files, a drafter recorded as a local
+    path, no tokenizer, weights whose shapes do not match the config."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    from .bundle import BundleError, check_tokenizer
+
+    missing = [name for name in ("config.json", "README.md", "custom_generate/generate.py")
+               if not (folder / name).exists()]
+    if missing:
+        raise PublishError(f"{folder} cannot be published: missing {missing}. Write it with `treeflash-hf push "
+                           "FOLDER --dry-run DIR` (which renders the card and copies the code).")
+    hub_drafter_ref(folder, None)
+    try:
+        check_tokenizer(folder)
+    except BundleError as err:
+        raise PublishError(str(err)) from err
+    found = weight_shapes(folder)
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(folder), dtype=torch.float32)
+    expected = {k: tuple(v.shape) for k, v in model.state_dict().items()}
+    wrong = [k for k in found if k in expected and found[k] != expected[k]]
+    if not found or wrong or not set(found) & set(expected):
+        raise PublishError(f"The weights in {folder} do not match its config (first differences: "
+                           f"{wrong[:5] or sorted(found)[:5]}).")
+
+
 def push(folder: Path, repo_id: str, private: bool = False, revision: str | None = None,
          commit_message: str = "Upload TreeFlash drafter", token: str | None = None, api=None) -> str:
-    """Create the repo if needed and upload `folder` (already checked) with `HfApi`. Returns the commit URL."""
-    from huggingface_hub import HfApi
+    """Create the repo if needed and upload `folder` (already checked) with `HfApi`. Returns the commit URL.
+    Failures to reach the Hub or to authenticate raise `PublishError` saying what to do."""
+    from huggingface_hub import HfApi, get_token
+    from huggingface_hub.errors import HfHubHTTPError, LocalTokenNotFoundError
 
     check_publishable(folder)
+    if api is None and (token or get_token()) is None:
+        raise PublishError("No Hugging Face token: log in with `hf auth login` or set HF_TOKEN (or write the repo "
+                           "locally with --dry-run DIR).")
     api = api or HfApi(token=token)
-    api.create_repo(repo_id=repo_id, private=private, exist_ok=True, repo_type="model")
-    if revision:
-        api.create_branch(repo_id=repo_id, branch=revision, exist_ok=True)
-    info = api.upload_folder(folder_path=str(folder), repo_id=repo_id, revision=revision,
-                             commit_message=commit_message, repo_type="model")
+    try:
+        api.create_repo(repo_id=repo_id, private=private, exist_ok=True, repo_type="model")
+        if revision:
+            api.create_branch(repo_id=repo_id, branch=revision, exist_ok=True)
+        info = api.upload_folder(folder_path=str(folder), repo_id=repo_id, revision=revision,
+                                 commit_message=commit_message, repo_type="model")
+    except LocalTokenNotFoundError as err:
+        raise PublishError(f"No Hugging Face token: log in with `hf auth login` or set HF_TOKEN ({err}).") from err
+    except HfHubHTTPError as err:
+        status = getattr(err.response, "status_code", None)
+        fix = ("check the token (`hf auth login` or HF_TOKEN) and that it may write to " + repo_id
+               if status in (401, 403) else "check --repo-id and the token")
+        raise PublishError(f"The Hub refused the upload to {repo_id} ({' '.join(str(err).split())}): {fix}.") from err
+    except Exception as err:
+        if not is_network_error(err):
+            raise
+        raise PublishError(f"Cannot reach the Hugging Face Hub ({type(err).__name__}: {err}): check the network "
+                           "connection (and that HF_HUB_OFFLINE is unset), or write the repo locally with "
+                           "--dry-run DIR.") from err
     return str(getattr(info, "commit_url", info))
 
 
+def is_network_error(err: BaseException) -> bool:
+    """A connection failure: Python's own, or one of the HTTP client huggingface_hub uses (httpx2, httpx)."""
+    if isinstance(err, (ConnectionError, TimeoutError)):
+        return True
+    return any(cls.__name__ in ("TransportError", "TimeoutException") and cls.__module__.split(".")[0] in
+               ("httpx", "httpx2") for cls in type(err).__mro__)
+
+
 def run_push(args: argparse.Namespace) -> int:
+    from .bundle import is_bundle
+
+    folder = Path(args.folder)
+    if not folder.is_dir():
+        raise PublishError(f"{folder} is not a folder: pass a drafter folder or a TreeFlash model folder "
+                           "(`treeflash-hf bundle`).")
     bench = json.loads(Path(args.bench_json).read_text()) if args.bench_json else None
+    if is_bundle(folder):
+        def prepare(out):
+            return prepare_bundle_repo(folder, out, args.repo_id, args.base_model, bench, args.drafter_ref)
+    elif args.drafter_ref:
+        raise PublishError(f"--drafter-ref applies to TreeFlash model folders; {folder} is not one (no "
+                           "treeflash.json).")
+    else:
+        def prepare(out):
+            return prepare_repo(folder, out, args.repo_id, args.base_model, bench)
     if args.dry_run:
-        folder = prepare_repo(args.drafter_dir, args.dry_run, args.repo_id, args.base_model, bench)
-        print(f"dry run: wrote {folder} (what would be uploaded to {args.repo_id}); nothing was uploaded")
+        written = prepare(args.dry_run)
+        print(f"dry run: wrote {written} (what would be uploaded to {args.repo_id}); nothing was uploaded")
         return 0
     with tempfile.TemporaryDirectory() as tmp:
-        folder = prepare_repo(args.drafter_dir, tmp, args.repo_id, args.base_model, bench)
-        print(push(folder, args.repo_id, args.private, args.revision, args.commit_message))
+        print(push(prepare(tmp), args.repo_id, args.private, args.revision, args.commit_message))
     return 0
 
 
 def add_parser(subparsers) -> None:
-    parser = subparsers.add_parser("push", help="Publish a drafter folder to the Hub (or --dry-run DIR).")
-    parser.add_argument("drafter_dir")
+    parser = subparsers.add_parser(
+        "push", help="Publish a drafter folder or a TreeFlash model folder to the Hub (or --dry-run DIR).")
+    parser.add_argument("folder", help="a drafter folder, or a TreeFlash model folder written by `bundle`")
     parser.add_argument("--repo-id", required=True)
     parser.add_argument("--base-model", help="the target's Hub id, for the card metadata")
+    parser.add_argument("--drafter-ref", help="TreeFlash model folders: the drafter's Hub id to record (needed when "
+                                              "the folder records a local path)")
     parser.add_argument("--bench-json", help="a `treeflash-hf bench --json` report for the card")
     parser.add_argument("--private", action="store_true")
     parser.add_argument("--revision")
-    parser.add_argument("--commit-message", default="Upload TreeFlash drafter")
+    parser.add_argument("--commit-message", default="Upload TreeFlash model")
     parser.add_argument("--dry-run", metavar="DIR", help="write the repo folder locally; upload nothing")
     parser.set_defaults(func=run_push)

@@ -52,9 +52,10 @@ class _StatesPerTarget(weakref.WeakKeyDictionary):
         return _StatesPerTarget()
 
 
-def learned_state(drafter, target, options: TreeOptions, generation_config: GenerationConfig) -> LearnedState:
+def learned_state(drafter, target, options: TreeOptions, generation_config: GenerationConfig,
+                  sync=None) -> LearnedState:
     """The state for decoding `target` with `drafter` under `options` and `generation_config`'s sampling
-    settings, created on first use."""
+    settings, created on first use (`sync`: see `budget.verify_cost_curve`)."""
     per_target = getattr(drafter, _ATTRIBUTE, None)
     if per_target is None:
         per_target = _StatesPerTarget()
@@ -72,7 +73,7 @@ def learned_state(drafter, target, options: TreeOptions, generation_config: Gene
         states[key] = LearnedState(
             lookup_rates=LookupRates(),
             schedule=StepScheduler(allow_plain=auto),
-            auto_budget=AutoBudget(verify_cost_curve(target)) if auto else None,
+            auto_budget=AutoBudget(verify_cost_curve(target, sync=sync)) if auto else None,
         )
     return states[key]
 

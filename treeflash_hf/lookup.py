@@ -126,51 +126,64 @@ def with_lookup_branch(children_of, lookup_tokens: list[int], log_probs: list[fl
 
 @dataclass
 class StepScheduler:
-    """What each decode step verifies, chosen by expected tokens per second:
+    """What each decode step verifies, chosen by expected tokens per second. One target forward serves every row
+    of the batch, so the choice is the batch's:
 
-    - `"draft"`: the drafter's tree, with the lookup branch in it when there is one;
-    - `"lookup"`: the lookup branch alone, skipping the drafter;
-    - `"plain"`: the root alone (one token, skipping the drafter); only when `allow_plain` (`tree_budget="auto"`,
-      where 1 is a budget like any other).
+    - `"draft"`: the drafter's trees, each with its row's lookup branch in it when there is one;
+    - `"lookup"`: each row's lookup branch alone (the root alone for a row without one), skipping the drafter;
+    - `"plain"`: the roots alone (one token per row, skipping the drafter); only when `allow_plain`
+      (`tree_budget="auto"`, where 1 is a budget like any other).
 
-    Tokens: a draft step yields `1 + E_L + gain` with a branch (`E_L`: the branch's expected accepted tokens,
-    `expected_accepted`; `gain`: what the drafter added on top of the branch on recent draft steps), else
-    `draft_tokens`, its recent mean; a lookup step `1 + E_L`; a plain step 1. Seconds: each kind's recent step
-    time. Each kind is tried once before it is judged. A kind that loses is still taken once it has waited
-    `explore_every` steps, so that its figures stay current (one unlucky measurement cannot exclude it for
-    good); each such try that does not change the verdict doubles that kind's wait (up to
-    `max_explore_every`), and winning resets it. Skipping the drafter loses nothing: it receives the skipped
-    positions' context with its next draft (a longer drafter forward, measured like any other draft step).
+    Tokens of a step are summed over the rows. A row yields, on a draft step, `1 + E_L + gain` with a branch
+    (`E_L`: the branch's expected accepted tokens, `expected_accepted`; `gain`: what the drafter added on top of
+    the branch on recent draft steps), else `draft_tokens`, the recent mean; on a lookup step `1 + E_L` (1
+    without a branch); on a plain step 1. Seconds: each kind's recent step time at this number of rows (a
+    forward over more rows costs more). Each kind is tried once per batch size before it is judged. A kind that
+    loses is still taken once it has waited `explore_every` steps, so that its figures stay current (one unlucky
+    measurement cannot exclude it for good); each such try that does not change the verdict doubles that kind's
+    wait (up to `max_explore_every`), and winning resets it. Skipping the drafter loses nothing: it receives the
+    skipped positions' context with its next draft (a longer drafter forward, measured like any other draft).
     """
 
     allow_plain: bool = False
     explore_every: int = 4
     max_explore_every: int = 64
     smoothing: float = 0.8
-    seconds: dict[str, float] = field(default_factory=dict)
+    seconds: dict[tuple[str, int], float] = field(default_factory=dict)  # (kind, rows) -> recent step time
     draft_tokens: float | None = None
     drafter_gain: float | None = None
     waited: dict[str, int] = field(default_factory=dict)  # per kind, steps since it was last taken
     wait_limit: dict[str, int] = field(default_factory=dict)  # per kind, its current exploration wait
 
-    def choose(self, branch_expected: float | None) -> str:
-        """The kind of the next step, given its lookup branch's expected accepted tokens (None: no branch)."""
-        if branch_expected is None:
-            draft_tokens = self.draft_tokens
-        else:
-            draft_tokens = None if self.drafter_gain is None else 1 + branch_expected + self.drafter_gain
-        tokens = {"draft": draft_tokens}
-        if branch_expected is not None:
-            tokens["lookup"] = 1 + branch_expected
+    def expected_tokens(self, branch_expected: list[float | None]) -> dict[str, float | None]:
+        """Per step kind, the tokens the batch is expected to emit (None: not yet known)."""
+        with_branch = [e for e in branch_expected if e is not None]
+        without_branch = len(branch_expected) - len(with_branch)
+        draft = 0.0
+        if with_branch:
+            draft = None if self.drafter_gain is None else sum(1 + e + self.drafter_gain for e in with_branch)
+        if without_branch and draft is not None:
+            draft = None if self.draft_tokens is None else draft + without_branch * self.draft_tokens
+        tokens = {"draft": draft}
+        if with_branch:
+            tokens["lookup"] = without_branch + sum(1 + e for e in with_branch)
         if self.allow_plain:
-            tokens["plain"] = 1.0
+            tokens["plain"] = float(len(branch_expected))
+        return tokens
+
+    def choose(self, branch_expected: list[float | None], share=None) -> str:
+        """The kind of the next step, given each row's lookup-branch expected accepted tokens (None: no branch).
+        `share(kind) -> kind` (tensor parallelism: rank 0's choice on every rank) settles the choice before this
+        scheduler records it."""
+        rows = len(branch_expected)
+        tokens = self.expected_tokens(branch_expected)
         for kind in tokens:
             self.waited[kind] = self.waited.get(kind, 0) + 1
-        untried = [kind for kind in tokens if kind not in self.seconds or tokens[kind] is None]
+        untried = [kind for kind in tokens if (kind, rows) not in self.seconds or tokens[kind] is None]
         if untried:
             chosen = untried[0]  # learn what each kind yields first (a draft step first of all)
         else:
-            best = max(tokens, key=lambda kind: tokens[kind] / self.seconds[kind])
+            best = max(tokens, key=lambda kind: tokens[kind] / self.seconds[(kind, rows)])
             stale = [kind for kind in tokens if kind != best
                      and self.waited[kind] >= self.wait_limit.get(kind, self.explore_every)]
             chosen = stale[0] if stale else best
@@ -179,19 +192,23 @@ class StepScheduler:
             else:
                 self.wait_limit[chosen] = min(self.max_explore_every,
                                               2 * self.wait_limit.get(chosen, self.explore_every))
+        if share is not None:
+            chosen = share(chosen)
         self.waited[chosen] = 0
         return chosen
 
-    def observe(self, kind: str, seconds: float, accepted: int, branch_expected: float | None) -> None:
-        """One verified step: its kind, wall time (drafting to acceptance), accepted drafted tokens, and its
-        lookup branch's expected accepted tokens (None: no branch)."""
+    def observe(self, kind: str, seconds: float, accepted: list[int], branch_expected: list[float | None]) -> None:
+        """One verified step: its kind, wall time (drafting to acceptance), and per row the accepted drafted tokens
+        and the lookup branch's expected accepted tokens (None: no branch)."""
         def ema(old: float | None, new: float) -> float:
             return new if old is None else self.smoothing * old + (1 - self.smoothing) * new
 
-        self.seconds[kind] = ema(self.seconds.get(kind), seconds)
+        key = (kind, len(accepted))
+        self.seconds[key] = ema(self.seconds.get(key), seconds)
         if kind != "draft":
             return
-        if branch_expected is None:
-            self.draft_tokens = ema(self.draft_tokens, 1 + accepted)
-        else:
-            self.drafter_gain = ema(self.drafter_gain, accepted - branch_expected)
+        for row_accepted, expected in zip(accepted, branch_expected):
+            if expected is None:
+                self.draft_tokens = ema(self.draft_tokens, 1 + row_accepted)
+            else:
+                self.drafter_gain = ema(self.drafter_gain, row_accepted - expected)

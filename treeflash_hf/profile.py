@@ -1,24 +1,31 @@
 """`treeflash-hf profile`: where the time of one decode step goes (target forward vs. drafting vs. tree
-building vs. acceptance vs. cache work), on random-init models of a chosen size. No download."""
+building vs. acceptance vs. cache work), on random-init models of a chosen size or on the bundled pair; and
+(`--cost-table`) what verifying T tokens and one drafter forward cost relative to one target token, per model shape
+and dtype, on this device: the measurements a reference pair's proportions are chosen from. No download."""
 
 from __future__ import annotations
 
 import argparse
 import contextlib
+import json
+import statistics
 import time
 from collections import defaultdict
+from pathlib import Path
 
 import torch
 
 from . import generation
+from .budget import measure_verify_cost
 from .draft import TreeFlashCandidateGenerator
+from .options import TreeOptions
 from .testing import matching_drafter, random_target
 
 STAGES = {
     "draft (drafter forward + marginals)": (TreeFlashCandidateGenerator, "draft"),
-    "tree (AR tables + best-first)": (TreeFlashCandidateGenerator, "build_tree"),
-    "verify (target forward)": (generation, "verify_tree"),
-    "accept (walk)": (generation, "walk_tree"),
+    "tree (AR tables + best-first)": (TreeFlashCandidateGenerator, "build_trees"),
+    "verify (target forward)": (generation, "verify_trees"),
+    "accept": (generation, "accept_all"),
     "commit (cache compaction)": (generation, "compact_cache"),
 }
 
@@ -56,8 +63,106 @@ def profile_budget(target, drafter, prompt, budget: int, mode: str, new_tokens: 
     return totals, len(out.tree_sizes), wall
 
 
+@torch.no_grad()
+def measure_drafter_forward(target, drafter, past_len: int = 300, new_context: int = 3, repeats: int = 15) -> float:
+    """Median seconds of one drafter forward (block of `block_size`, `new_context` new context positions, on top of
+    `past_len` cached ones): the drafter model alone, without the target's head."""
+    generator = TreeFlashCandidateGenerator(drafter, target, TreeOptions())
+    width = len(drafter.config.target_layer_ids) * drafter.config.hidden_size
+    block = drafter.config.block_size
+    embeds = generator.embed(torch.zeros(1, block, dtype=torch.long, device=drafter.device))
+    position = past_len
+    drafter(noise_embeds=embeds, context_hidden_states=torch.randn(1, past_len, width, dtype=drafter.dtype),
+            position_ids=torch.arange(past_len + block)[None], cache=generator.cache)
+    generator.cache.crop(-block)
+    times = []
+    for _ in range(repeats + 2):  # the first two warm up
+        context = torch.randn(1, new_context, width, dtype=drafter.dtype)
+        positions = torch.arange(position, position + new_context + block)[None]
+        start = time.perf_counter()
+        drafter(noise_embeds=embeds, context_hidden_states=context, position_ids=positions, cache=generator.cache)
+        times.append(time.perf_counter() - start)
+        generator.cache.crop(-block)
+        position += new_context
+    return statistics.median(times[2:])
+
+
+def training_throughput(target, dtype: torch.dtype, batch: int = 8, seq_len: int = 512, steps: int = 3) -> float:
+    """Tokens per second of causal-LM training steps (AdamW) of a copy of `target` in float32 under autocast in
+    `dtype` (float32: no autocast), batch `[batch, seq_len]`."""
+    import copy
+
+    import torch.nn.functional as F
+
+    model = copy.deepcopy(target).float().train()
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4)
+    vocab = model.config.vocab_size
+    tokens = torch.randint(0, vocab, (batch, seq_len + 1))
+    times = []
+    for _ in range(steps + 1):  # the first warms up
+        start = time.perf_counter()
+        with torch.autocast("cpu", dtype=dtype, enabled=dtype != torch.float32):
+            logits = model(tokens[:, :-1]).logits
+        F.cross_entropy(logits.float().reshape(-1, vocab), tokens[:, 1:].reshape(-1)).backward()
+        optimizer.step()
+        optimizer.zero_grad()
+        times.append(time.perf_counter() - start)
+    return batch * seq_len / statistics.median(times[1:])
+
+
+def cost_row(layers: int, hidden: int, dtype: torch.dtype, args: argparse.Namespace) -> dict:
+    """One line of the cost table: a random Qwen3 target of `layers` x `hidden` (intermediate 3H, head dim 64) and
+    a matching drafter of `args.drafter_layers` layers, in `dtype`. Every ratio is measured here."""
+    heads = max(1, hidden // 64)
+    target = random_target("qwen3", vocab_size=args.vocab, hidden_size=hidden, num_layers=layers, num_heads=heads,
+                           num_kv_heads=max(1, heads // 2), intermediate_size=3 * hidden).to(dtype)
+    drafter = matching_drafter(target, num_layers=args.drafter_layers, block_size=args.block_size).to(dtype)
+    sizes = sorted({1, *args.verify_sizes})
+    costs = measure_verify_cost(target, sizes=sizes, past_len=args.prompt_len)
+    drafter_seconds = measure_drafter_forward(target, drafter, past_len=args.prompt_len)
+    row = {"layers": layers, "hidden": hidden, "dtype": str(dtype).removeprefix("torch."),
+           "params_m": sum(p.numel() for p in target.parameters()) / 1e6, "token_ms": costs[1] * 1e3,
+           "verify_ratio": {n: costs[n] / costs[1] for n in sizes if n > 1},
+           "drafter_ms": drafter_seconds * 1e3, "drafter_share": drafter_seconds / costs[1]}
+    if args.train_throughput:
+        row["train_tokens_per_s"] = training_throughput(target, dtype)
+    return row
+
+
+def print_cost_table(rows: list[dict]) -> None:
+    sizes = list(rows[0]["verify_ratio"])
+    header = ["target", "dtype", "params", "1 token"] + [f"{n} tokens" for n in sizes] + ["drafter fwd"]
+    if "train_tokens_per_s" in rows[0]:
+        header.append("train tok/s")
+    print("| " + " | ".join(header) + " |")
+    print("|" + "---|" * len(header))
+    for row in rows:
+        cells = [f"{row['layers']} x {row['hidden']}", row["dtype"], f"{row['params_m']:.1f}M",
+                 f"{row['token_ms']:.2f} ms"] + [f"{row['verify_ratio'][n]:.2f}x" for n in sizes]
+        cells.append(f"{row['drafter_ms']:.2f} ms ({100 * row['drafter_share']:.0f}%)")
+        if "train_tokens_per_s" in row:
+            cells.append(f"{row['train_tokens_per_s']:.0f}")
+        print("| " + " | ".join(cells) + " |")
+    print("(the cost of verifying T tokens and of one drafter forward, relative to one target token, on a cached "
+          "context; each measured here, median of several runs)")
+
+
+def run_cost_table(args: argparse.Namespace) -> int:
+    rows = []
+    for shape in args.cost_table:
+        layers, hidden = (int(part) for part in shape.lower().split("x"))
+        for dtype_name in args.dtypes:
+            rows.append(cost_row(layers, hidden, getattr(torch, dtype_name), args))
+    print_cost_table(rows)
+    if args.json:
+        Path(args.json).write_text(json.dumps(rows, indent=2))
+    return 0
+
+
 def run(args: argparse.Namespace) -> int:
     torch.set_num_threads(args.threads)
+    if args.cost_table:
+        return run_cost_table(args)
     target = random_target("qwen3", vocab_size=args.vocab, hidden_size=args.hidden, num_layers=args.layers,
                            num_heads=args.heads, num_kv_heads=max(1, args.heads // 2),
                            intermediate_size=3 * args.hidden)
@@ -98,4 +203,12 @@ def add_parser(subparsers) -> None:
     parser.add_argument("--prompt-len", type=int, default=256)
     parser.add_argument("--new-tokens", type=int, default=128)
     parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--cost-table", nargs="+", metavar="LAYERSxHIDDEN",
+                        help="instead of a step profile: the cost table of these target shapes (e.g. 12x256 16x256)")
+    parser.add_argument("--dtypes", nargs="+", default=["float32", "bfloat16"],
+                        choices=["float32", "bfloat16", "float16"])
+    parser.add_argument("--verify-sizes", type=int, nargs="+", default=[4, 8, 16, 32])
+    parser.add_argument("--train-throughput", action="store_true",
+                        help="add causal-LM training tokens/s (autocast in the dtype) to the cost table")
+    parser.add_argument("--json", help="write the cost table as JSON")
     parser.set_defaults(func=run)

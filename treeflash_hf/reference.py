@@ -21,8 +21,9 @@ BUNDLED_DIR = PACKAGE_DIR / "reference_models"
 SPECIAL_TOKENS = ["<|endoftext|>", "<|pad|>", "<|mask|>"]
 
 
-def load(path: str | Path | None = None, dtype: torch.dtype = torch.float32):
-    """`(target, drafter, tokenizer)` of the bundled reference suite (or of a folder `reference build` wrote)."""
+def load(path: str | Path | None = None, dtype: torch.dtype | str = "auto"):
+    """`(target, drafter, tokenizer)` of the bundled reference suite (or of a folder `reference build` wrote), in
+    `dtype` ("auto": the dtype the weights are stored in, the pair's run dtype)."""
     from transformers import AutoModel, AutoModelForCausalLM, AutoTokenizer
 
     import treeflash_hf  # noqa: F401  (registers the drafter class)
@@ -34,16 +35,20 @@ def load(path: str | Path | None = None, dtype: torch.dtype = torch.float32):
         )
     tokenizer = AutoTokenizer.from_pretrained(root / "tokenizer")
     target = AutoModelForCausalLM.from_pretrained(root / "target", dtype=dtype, attn_implementation="sdpa").eval()
-    drafter = AutoModel.from_pretrained(root / "drafter", dtype=dtype).eval()
+    drafter = AutoModel.from_pretrained(root / "drafter", dtype=target.dtype).eval()
     return target, drafter, tokenizer
 
 
-def load_draft_lm(path: str | Path | None = None, dtype: torch.dtype = torch.float32):
+def load_draft_lm(path: str | Path | None = None, dtype: torch.dtype | str = "auto"):
     """The small autoregressive draft LM (the baseline stock assisted generation needs)."""
     from transformers import AutoModelForCausalLM
 
     root = Path(path) if path is not None else BUNDLED_DIR
     return AutoModelForCausalLM.from_pretrained(root / "draft_lm", dtype=dtype).eval()
+
+
+# Packages reserved for evaluation: never in any training split (import names; attrs installs `attr` and `attrs`).
+RESERVED_PACKAGES = ("networkx", "jsonschema", "click", "flask", "attr", "attrs", "jinja2", "docutils")
 
 
 def stdlib_files() -> list[tuple[str, Path]]:
@@ -53,16 +58,67 @@ def stdlib_files() -> list[tuple[str, Path]]:
     return sorted((str(p.relative_to(root)), p) for p in files)
 
 
-def corpus_split() -> dict[str, list[str]]:
+def site_package_files(include_reserved: bool = False) -> dict[str, list[tuple[str, Path]]]:
+    """Per top-level package of this environment's site-packages, its .py files as (`site-packages/<relative
+    path>`, path), sorted. The reserved evaluation packages are left out unless `include_reserved`."""
+    root = Path(sysconfig.get_paths()["purelib"])
+    packages: dict[str, list[tuple[str, Path]]] = {}
+    for path in sorted(root.rglob("*.py")):
+        relative = path.relative_to(root)
+        top = relative.parts[0].removesuffix(".py")
+        if top.endswith((".dist-info", ".egg-info", ".data")) or top.startswith(("_distutils_hack", "__")):
+            continue
+        if (top in RESERVED_PACKAGES) != include_reserved or not path.is_file():
+            continue
+        packages.setdefault(top, []).append((f"site-packages/{relative}", path))
+    return packages
+
+
+def _read(path: Path) -> str | None:
+    try:
+        text = path.read_text(encoding="utf-8")
+    except (UnicodeDecodeError, OSError):
+        return None
+    return text if text.strip() else None
+
+
+def corpus_split(site_packages: bool = False, package_cap_mb: float = 8.0) -> dict[str, list[str]]:
+    """Training texts: the standard library, plus (with `site_packages`) the Python files of the packages installed
+    in this environment, the reserved evaluation packages excepted. Files are deduplicated by content (the first
+    copy wins, standard library first), each package contributes at most `package_cap_mb` of text (files taken
+    in stable-hash order, so one huge package cannot dominate), and every file goes to "train" or "heldout" by a
+    stable hash of its path."""
+    import hashlib
+
     from .training.data import stable_split
 
+    groups = [stdlib_files()]
+    if site_packages:
+        for files in site_package_files().values():
+            ordered = sorted(files, key=lambda item: hashlib.sha1(item[0].encode()).hexdigest())
+            groups.append(ordered)
     texts: dict[str, list[str]] = {"train": [], "heldout": []}
-    for relative, path in stdlib_files():
-        try:
-            text = path.read_text(encoding="utf-8")
-        except (UnicodeDecodeError, OSError):
-            continue
-        texts[stable_split(relative)].append(text)
+    seen: set[str] = set()
+    for index, files in enumerate(groups):
+        budget = float("inf") if index == 0 else package_cap_mb * 1e6
+        for relative, path in files:
+            text = _read(path)
+            if text is None or budget <= 0:
+                continue
+            digest = hashlib.sha1(text.encode()).hexdigest()
+            if digest in seen:
+                continue
+            seen.add(digest)
+            budget -= len(text.encode())
+            texts[stable_split(relative)].append(text)
+    return texts
+
+
+def reserved_package_texts() -> list[str]:
+    """The installed reserved evaluation packages' .py files (code the reference models never saw)."""
+    texts = []
+    for files in site_package_files(include_reserved=True).values():
+        texts.extend(t for _, path in files if (t := _read(path)) is not None)
     return texts
 
 
@@ -92,20 +148,24 @@ def encode(tokenizer, texts: list[str]) -> np.ndarray:
     return np.asarray(ids, dtype=np.int64)
 
 
-def save_model(model, out_dir: Path, summary: dict, half: bool, description: str) -> None:
-    """Save weights (fp16 on disk when `half`), the training summary and a README for the folder."""
-    model = model.to(torch.float16) if half else model
-    model.save_pretrained(out_dir)
+def save_model(model, out_dir: Path, summary: dict, dtype: torch.dtype, description: str,
+               tokenizer=None) -> None:
+    """Save weights in `dtype`, the training summary, a README and (for a model folder users load by itself) the
+    tokenizer files, so that `AutoTokenizer.from_pretrained(out_dir)` works."""
+    model.to(dtype).save_pretrained(out_dir)
+    if tokenizer is not None:
+        tokenizer.save_pretrained(out_dir)
     (out_dir / "training_summary.json").write_text(json.dumps(summary, indent=2))
     model.to(torch.float32)
-    write_readme(out_dir, description, summary, sum(p.numel() for p in model.parameters()))
+    write_readme(out_dir, description, summary, sum(p.numel() for p in model.parameters()), dtype)
 
 
-def write_readme(out_dir: Path, description: str, summary: dict, params: int) -> None:
+def write_readme(out_dir: Path, description: str, summary: dict, params: int, dtype: torch.dtype) -> None:
     stages = summary if all(isinstance(v, dict) and "curve" in v for v in summary.values()) else {"": summary}
+    dtype_name = str(dtype).removeprefix("torch.")
     lines = [f"# {out_dir.name}", "", description, "", f"Parameters: {params / 1e6:.2f}M. Weights are stored in "
-             "float16; `treeflash_hf.reference.load()` loads them as float32.", "",
-             "Trained by `treeflash-hf reference build` (see the package README); figures from "
+             f"{dtype_name}; `treeflash_hf.reference.load()` loads them in {dtype_name} (pass `dtype=` for "
+             "another).", "", "Trained by `treeflash-hf reference build` (see the package README); figures from "
              "`training_summary.json`:", ""]
     for stage, info in stages.items():
         evals = [row for row in info["curve"] if any(k.startswith("eval_") for k in row)]
@@ -135,13 +195,99 @@ def schedule_length(run_dir: Path, minutes: float, probe_step, fixed_steps: int 
     return max_steps
 
 
+def context_layer_ids(num_layers: int, count: int) -> list[int]:
+    """DFlash's choice of target layers for the context features: `[L // 2]` for one, else
+    `round(1 + i * (L - 4) / (count - 1))`, spread over the depth."""
+    if count == 1:
+        return [num_layers // 2]
+    return [int(round(1 + i * (num_layers - 4) / (count - 1))) for i in range(count)]
+
+
+def prepare_corpus(args: argparse.Namespace, out: Path, work: Path):
+    """The tokenizer (kept when `out/tokenizer` exists, else trained on the train split) and the token streams of
+    the train split, the held-out split and the reserved packages, cached in `work`."""
+    from transformers import AutoTokenizer
+
+    from .training.data import load_tokens, save_tokens
+
+    tokenizer_dir = out / "tokenizer"
+    if not (work / "corpus.json").exists():
+        texts = corpus_split(site_packages=args.site_packages, package_cap_mb=args.package_cap_mb)
+        texts["packages"] = reserved_package_texts()
+        print(f"corpus: {len(texts['train'])} train files, {len(texts['heldout'])} held-out files, "
+              f"{len(texts['packages'])} files of the reserved packages")
+        if not (tokenizer_dir / "tokenizer.json").exists():
+            train_tokenizer(texts["train"], args.vocab_size, tokenizer_dir)
+        tokenizer = AutoTokenizer.from_pretrained(tokenizer_dir)
+        info = {}
+        for split, split_texts in texts.items():
+            ids = encode(tokenizer, split_texts)
+            save_tokens(work / f"{split}.npy", ids)
+            info[split] = {"files": len(split_texts), "tokens": int(len(ids)),
+                           "bytes_per_token": sum(len(t.encode()) for t in split_texts) / max(1, len(ids))}
+        tmp = work / "corpus.json.tmp"
+        tmp.write_text(json.dumps(info, indent=2))
+        tmp.replace(work / "corpus.json")
+    tokenizer = AutoTokenizer.from_pretrained(tokenizer_dir)
+    corpus = json.loads((work / "corpus.json").read_text())
+    streams = {split: load_tokens(work / f"{split}.npy") for split in corpus}
+    for split, info in corpus.items():
+        print(f"{split}: {info['tokens']:,} tokens, {info['bytes_per_token']:.2f} bytes/token")
+    return tokenizer, corpus, streams
+
+
+def self_distillation_prompts(tokens, count: int, prompt_len: int, eos: int, seed: int) -> list[list[int]]:
+    """`count` prompts of `prompt_len` tokens cut from a token stream at seeded random places (cut at an EOS so
+    that a prompt never spans two files)."""
+    generator = np.random.default_rng(seed)
+    prompts = []
+    while len(prompts) < count:
+        start = int(generator.integers(0, len(tokens) - prompt_len))
+        window = tokens[start : start + prompt_len].tolist()
+        if eos in window:
+            window = window[window.index(eos) + 1 :]
+        if len(window) >= prompt_len // 4:
+            prompts.append(window)
+    return prompts
+
+
+def build_self_distillation(target, tokenizer, prompts: list[list[int]], out_dir: Path, max_new_tokens: int,
+                            batch_size: int, temperature: float) -> None:
+    """Answer `prompts` with the target (half greedy, half sampled at `temperature`), as a resumable Arrow set of
+    `input_ids` and `loss_mask` (1 on the response): chunks land in `out_dir/chunks/` one by one."""
+    import datasets
+
+    from .training.data import build_self_distillation_set
+
+    chunks = out_dir / "chunks"
+    chunks.mkdir(parents=True, exist_ok=True)
+    texts = [tokenizer.decode(p) for p in prompts]
+    chunk_size = batch_size * 8
+    for index, start in enumerate(range(0, len(texts), chunk_size)):
+        chunk_dir = chunks / f"{index:05d}"
+        if chunk_dir.exists():
+            continue
+        torch.manual_seed(index)
+        sampled = index % 2 == 1
+        tmp = chunks / f".tmp-{index:05d}"
+        build_self_distillation_set(target, tokenizer, texts[start : start + chunk_size], tmp, max_new_tokens,
+                                    batch_size, do_sample=sampled, temperature=temperature)
+        tmp.rename(chunk_dir)
+        print(f"self-distillation: {min(start + chunk_size, len(texts))}/{len(texts)} prompts answered")
+    parts = [datasets.load_from_disk(str(path)) for path in sorted(chunks.iterdir()) if not path.name.startswith(".")]
+    datasets.concatenate_datasets(parts).save_to_disk(str(out_dir / "dataset"))
+
+
+STAGES = ("target", "drafter", "draft_lm")
+
+
 def build(args: argparse.Namespace) -> int:
     """Run the recipe (each stage skipped when its output exists, resumed when interrupted)."""
-    from transformers import AutoTokenizer, Qwen3Config, Qwen3ForCausalLM
+    from transformers import AutoModelForCausalLM, Qwen3Config, Qwen3ForCausalLM
 
     from .modeling.configuration_treeflash_drafter import TreeFlashDrafterConfig
     from .modeling.modeling_treeflash_drafter import TreeFlashDrafterModel
-    from .training.data import TokenStream
+    from .training.data import MaskedSequences, TokenStream
     from .training.drafter import DrafterLossConfig, drafter_loss, freeze_for_stage, train_drafter
     from .training.lm import lm_loss, train_lm
     from .training.loop import LoopConfig
@@ -151,49 +297,38 @@ def build(args: argparse.Namespace) -> int:
     out.mkdir(parents=True, exist_ok=True)
     work.mkdir(parents=True, exist_ok=True)
     device = torch.device(args.device)
-
-    # 1. tokenizer and token streams
-    if not (out / "tokenizer" / "tokenizer.json").exists() or not (work / "train.npy").exists():
-        texts = corpus_split()
-        print(f"corpus: {len(texts['train'])} train files, {len(texts['heldout'])} held-out files")
-        tokenizer = train_tokenizer(texts["train"], args.vocab_size, out / "tokenizer")
-        train_ids, heldout_ids = encode(tokenizer, texts["train"]), encode(tokenizer, texts["heldout"])
-        np.save(work / "train.npy", train_ids)
-        np.save(work / "heldout.npy", heldout_ids)
-        heldout_bytes = sum(len(t.encode()) for t in texts["heldout"])
-        (work / "corpus.json").write_text(json.dumps({
-            "train_tokens": int(len(train_ids)), "heldout_tokens": int(len(heldout_ids)),
-            "heldout_bytes": heldout_bytes, "bytes_per_token": heldout_bytes / len(heldout_ids)}))
-    tokenizer = AutoTokenizer.from_pretrained(out / "tokenizer")
-    corpus = json.loads((work / "corpus.json").read_text())
-    train_ids, heldout_ids = np.load(work / "train.npy"), np.load(work / "heldout.npy")
+    dtype = getattr(torch, args.dtype)
+    precision = {torch.bfloat16: "bf16", torch.float16: "fp16"}.get(dtype, "no")
+    tokenizer, corpus, streams = prepare_corpus(args, out, work)
     vocab = len(tokenizer)
-    print(f"tokens: {corpus['train_tokens']} train, {corpus['heldout_tokens']} held-out, "
-          f"{corpus['bytes_per_token']:.2f} bytes/token")
 
-    def lm_stage(name: str, config: Qwen3Config, minutes: float, seq_len: int, batch: int, lr: float,
-                 steps: int | None = None):
+    def lm_stage(name: str, config: Qwen3Config, minutes: float, steps: int | None, lr: float):
         if (out / name / "config.json").exists():
             return
         torch.manual_seed(0)
         model = Qwen3ForCausalLM(config).to(device)
-        train, heldout = TokenStream(train_ids, seq_len, seed=1), TokenStream(heldout_ids, seq_len, seed=2)
+        seq_len, batch = args.seq_len, args.batch_size
+        train = TokenStream(streams["train"], seq_len, seed=1)
+        heldout = {split: (TokenStream(streams[split], seq_len, seed=2), corpus[split]["bytes_per_token"])
+                   for split in ("heldout", "packages")}
         run_dir = work / f"run-{name}"
         probe = Qwen3ForCausalLM(config).to(device)  # a throwaway copy times the steps
         max_steps = schedule_length(
             run_dir, minutes, lambda s: lm_loss(probe, train.batch(s, batch).to(device)).backward(), steps)
         loop = LoopConfig(run_dir=str(run_dir), max_steps=max_steps, max_minutes=minutes * 1.15, batch_size=batch,
                           lr=lr, warmup_steps=min(100, max_steps // 10), eval_every=max(50, max_steps // 10),
-                          save_every=max(50, max_steps // 10), resume=True)
-        summary = train_lm(model, train, heldout, loop, corpus["bytes_per_token"], description=name)
+                          save_every=max(50, max_steps // 20), resume=True, mixed_precision=precision)
+        summary = train_lm(model, train, heldout, loop, description=name)
         summary["loop"] = loop.__dict__
         summary["device"] = str(device)
         summary["params"] = sum(p.numel() for p in model.parameters())
-        save_model(model, out / name, summary, half=args.half, description=descriptions[name])
+        summary["corpus"] = corpus
+        save_model(model, out / name, summary, dtype, descriptions[name], tokenizer=tokenizer)
 
     descriptions = {
-        "target": "The reference target: a small Qwen3-architecture causal LM trained from scratch on the Python "
-                  "standard library (train split; files split by a stable hash of their path).",
+        "target": "The reference target: a Qwen3-architecture causal LM trained from scratch on Python code (the "
+                  "standard library and the packages of the build environment, the reserved evaluation packages "
+                  "excepted; deduplicated; files split by a stable hash of their path).",
         "draft_lm": "A small autoregressive draft LM sharing the target's tokenizer: the baseline stock assisted "
                     "generation (`assistant_model=draft_lm`) needs.",
     }
@@ -205,56 +340,83 @@ def build(args: argparse.Namespace) -> int:
                            eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id,
                            bos_token_id=None, rope_parameters={"rope_type": "default", "rope_theta": 10000.0})
 
-    # 2. the target
-    lm_stage("target", qwen3(args.hidden, args.layers, args.heads, args.heads // 2, 3 * args.hidden),
-             args.target_minutes, args.seq_len, args.batch_size, args.lr, steps=args.target_steps)
+    # 1. the target
+    if "target" in args.stages:
+        lm_stage("target", qwen3(args.hidden, args.layers, args.heads, args.kv_heads, args.intermediate),
+                 args.target_minutes, args.target_steps, args.lr)
 
-    # 3. the drafter: backbone, then the AR layer with the backbone frozen
-    from transformers import AutoModelForCausalLM
-
-    target = AutoModelForCausalLM.from_pretrained(out / "target", dtype=torch.float32).to(device).eval()
-    if not (out / "drafter" / "config.json").exists():
-        target_layer_ids = [int(round(i * (args.layers - 1) / 2)) for i in range(3)]
+    # 2. the drafter: backbone on the corpus, then the AR layer (backbone frozen) on self-distilled data
+    if "drafter" in args.stages and not (out / "drafter" / "config.json").exists():
+        target = AutoModelForCausalLM.from_pretrained(out / "target", dtype=torch.float32).to(device).eval()
         config = TreeFlashDrafterConfig(
-            vocab_size=vocab, hidden_size=args.hidden, intermediate_size=3 * args.hidden,
+            vocab_size=vocab, hidden_size=args.hidden, intermediate_size=args.drafter_intermediate,
             num_hidden_layers=args.drafter_layers, num_attention_heads=args.heads,
-            num_key_value_heads=args.heads // 2, head_dim=args.hidden // args.heads, rope_theta=10000.0,
+            num_key_value_heads=args.kv_heads, head_dim=args.hidden // args.heads, rope_theta=10000.0,
             block_size=args.block_size, mask_token_id=tokenizer.mask_token_id, num_target_layers=args.layers,
-            target_layer_ids=target_layer_ids, ar_intermediate_size=2 * args.hidden, tree_budget=args.tree_budget,
-            tree_top_m=args.top_m, tree_top_k=args.top_k, tree_lookup=args.tree_lookup,
+            target_layer_ids=context_layer_ids(args.layers, args.context_layers),
+            ar_intermediate_size=2 * args.hidden, tree_budget=args.tree_budget, tree_top_m=args.top_m,
+            tree_top_k=args.top_k, tree_lookup=args.tree_lookup,
         )
         torch.manual_seed(0)
         drafter = TreeFlashDrafterModel(config).to(device)
-        train = TokenStream(train_ids, args.drafter_seq_len, seed=3)
-        heldout = TokenStream(heldout_ids, args.drafter_seq_len, seed=4).eval_batches(args.drafter_batch_size, 4)
+        seq_len, batch = args.drafter_seq_len, args.drafter_batch_size
+        sd_dir = work / "self-distillation"
+        if not (sd_dir / "dataset").exists():
+            prompts = self_distillation_prompts(streams["train"], args.sd_prompts, args.sd_prompt_len,
+                                                tokenizer.eos_token_id, seed=5)
+            generator_model = AutoModelForCausalLM.from_pretrained(out / "target", dtype=dtype).to(device).eval()
+            build_self_distillation(generator_model, tokenizer, prompts, sd_dir, args.sd_new_tokens,
+                                    args.sd_batch_size, args.sd_temperature)
+            del generator_model
+        import datasets
+
+        sd_set = datasets.load_from_disk(str(sd_dir / "dataset"))
+        split = int(len(sd_set) * 0.95)
+        pad = tokenizer.pad_token_id
+        data = {
+            "backbone": (TokenStream(streams["train"], seq_len, seed=3),
+                         TokenStream(streams["heldout"], seq_len, seed=4).eval_batches(batch, 4)),
+            "ar": (MaskedSequences(sd_set.select(range(split)), seq_len, pad, seed=6),
+                   [MaskedSequences(sd_set.select(range(split, len(sd_set))), seq_len, pad, seed=7).batch(i, batch)
+                    for i in range(4)]),
+        }
         summaries = {}
-        for stage, minutes in (("backbone", args.backbone_minutes), ("ar", args.ar_minutes)):
+        for stage, minutes, steps in (("backbone", args.backbone_minutes, args.backbone_steps),
+                                      ("ar", args.ar_minutes, args.ar_steps)):
+            train, heldout = data[stage]
             loss_config = DrafterLossConfig(stage=stage, num_anchors=args.num_anchors)
             run_dir = work / f"run-drafter-{stage}"
             freeze_for_stage(drafter, stage)
             generator = torch.Generator().manual_seed(0)
-            max_steps = schedule_length(  # probe steps only accumulate gradients, which are dropped
-                run_dir, minutes,
-                lambda s: drafter_loss(target, drafter, train.batch(s, args.drafter_batch_size).to(device),
-                                       loss_config, generator)[0].backward())
+
+            def probe(step, train=train, loss_config=loss_config, generator=generator):
+                item = train.batch(step, batch)
+                ids, mask = item if isinstance(item, tuple) else (item, None)
+                with torch.autocast(device.type, dtype=dtype, enabled=precision != "no"):
+                    loss = drafter_loss(target, drafter, ids.to(device), loss_config, generator, mask)[0]
+                loss.backward()
+
+            max_steps = schedule_length(run_dir, minutes, probe, steps)  # probe gradients are dropped
             drafter.zero_grad(set_to_none=True)
             loop = LoopConfig(run_dir=str(run_dir), max_steps=max_steps, max_minutes=minutes * 1.15,
-                              batch_size=args.drafter_batch_size, lr=args.drafter_lr,
-                              warmup_steps=min(50, max_steps // 10), eval_every=max(25, max_steps // 8),
-                              save_every=max(25, max_steps // 8), resume=True)
+                              batch_size=batch, lr=args.drafter_lr, warmup_steps=min(50, max_steps // 10),
+                              eval_every=max(25, max_steps // 8), save_every=max(25, max_steps // 16), resume=True,
+                              mixed_precision=precision)
             summary = train_drafter(target, drafter, train, heldout, loss_config, loop)
             summary["loop"] = loop.__dict__
             summary["device"] = str(device)
             summaries[stage] = summary
         for param in drafter.parameters():
             param.requires_grad = True
-        save_model(drafter, out / "drafter", summaries, half=args.half,
+        save_model(drafter, out / "drafter", summaries, dtype,
                    description="The TreeFlash drafter of the reference target: DFlash backbone (stage `backbone`, "
-                               "KL to the target's marginals) plus the SwiGLU AR layer (stage `ar`, backbone frozen).")
+                               "KL to the target's distributions on the corpus) plus the SwiGLU AR layer (stage "
+                               "`ar`, backbone frozen, on the target's own answers to corpus prompts).")
 
-    # 4. the small autoregressive draft LM for stock assisted generation
-    lm_stage("draft_lm", qwen3(args.hidden // 2, 2, 2, 1, 3 * args.hidden // 2), args.draft_lm_minutes,
-             args.seq_len, args.batch_size, args.lr)
+    # 3. the small autoregressive draft LM for stock assisted generation
+    if "draft_lm" in args.stages:
+        lm_stage("draft_lm", qwen3(args.hidden // 2, 2, 2, 1, 3 * args.hidden // 2), args.draft_lm_minutes,
+                 args.draft_lm_steps, args.lr)
     print(f"reference suite written to {out}")
     return 0
 
@@ -262,32 +424,49 @@ def build(args: argparse.Namespace) -> int:
 def add_parser(subparsers) -> None:
     parser = subparsers.add_parser("reference", help="Build the bundled reference suite.")
     sub = parser.add_subparsers(dest="reference_command", required=True)
-    b = sub.add_parser("build", help="Train tokenizer, target, drafter and draft LM on the standard library.")
+    b = sub.add_parser("build", help="Train target, drafter and draft LM (and a tokenizer when none exists).")
     b.add_argument("--out", default=str(BUNDLED_DIR))
     b.add_argument("--work", default="reference_work", help="token streams and checkpoints (not bundled)")
+    b.add_argument("--stages", nargs="+", choices=STAGES, default=list(STAGES))
     b.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     b.add_argument("--threads", type=int, default=2)
+    b.add_argument("--dtype", default="bfloat16", choices=["float32", "bfloat16", "float16"],
+                   help="weights on disk and the models' run dtype; training uses autocast in it")
+    b.add_argument("--site-packages", action=argparse.BooleanOptionalAction, default=True,
+                   help="add this environment's site-packages (reserved evaluation packages excepted)")
+    b.add_argument("--package-cap-mb", type=float, default=8.0)
     b.add_argument("--vocab-size", type=int, default=8192)
     b.add_argument("--hidden", type=int, default=256)
-    b.add_argument("--layers", type=int, default=6)
+    b.add_argument("--layers", type=int, default=16)
     b.add_argument("--heads", type=int, default=4)
-    b.add_argument("--seq-len", type=int, default=256)
-    b.add_argument("--batch-size", type=int, default=16)
+    b.add_argument("--kv-heads", type=int, default=2)
+    b.add_argument("--intermediate", type=int, default=768)
+    b.add_argument("--seq-len", type=int, default=512)
+    b.add_argument("--batch-size", type=int, default=8)
     b.add_argument("--lr", type=float, default=1.5e-3)
-    b.add_argument("--target-minutes", type=float, default=45)
+    b.add_argument("--target-minutes", type=float, default=120)
     b.add_argument("--target-steps", type=int, help="schedule length (default: what fits --target-minutes)")
-    b.add_argument("--drafter-layers", type=int, default=2)
+    b.add_argument("--drafter-layers", type=int, default=1)
+    b.add_argument("--drafter-intermediate", type=int, default=768)
+    b.add_argument("--context-layers", type=int, default=5)
     b.add_argument("--block-size", type=int, default=16)
-    b.add_argument("--drafter-seq-len", type=int, default=256)
+    b.add_argument("--drafter-seq-len", type=int, default=512)
     b.add_argument("--drafter-batch-size", type=int, default=8)
     b.add_argument("--drafter-lr", type=float, default=6e-4)
-    b.add_argument("--num-anchors", type=int, default=16)
-    b.add_argument("--backbone-minutes", type=float, default=15)
-    b.add_argument("--ar-minutes", type=float, default=10)
-    b.add_argument("--draft-lm-minutes", type=float, default=6)
+    b.add_argument("--num-anchors", type=int, default=24)
+    b.add_argument("--backbone-minutes", type=float, default=50)
+    b.add_argument("--backbone-steps", type=int)
+    b.add_argument("--ar-minutes", type=float, default=30)
+    b.add_argument("--ar-steps", type=int)
+    b.add_argument("--sd-prompts", type=int, default=3072)
+    b.add_argument("--sd-prompt-len", type=int, default=192)
+    b.add_argument("--sd-new-tokens", type=int, default=160)
+    b.add_argument("--sd-batch-size", type=int, default=32)
+    b.add_argument("--sd-temperature", type=float, default=0.8)
+    b.add_argument("--draft-lm-minutes", type=float, default=8)
+    b.add_argument("--draft-lm-steps", type=int)
     b.add_argument("--tree-budget", type=lambda v: v if v == "auto" else int(v), default="auto")
     b.add_argument("--top-m", type=int, default=4)
     b.add_argument("--tree-lookup", type=int, default=32)
     b.add_argument("--top-k", type=int, default=8)
-    b.add_argument("--half", action=argparse.BooleanOptionalAction, default=True)
     b.set_defaults(func=build)

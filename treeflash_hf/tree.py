@@ -1,14 +1,15 @@
 """Stage 3 of the pipeline: build the draft tree from the drafter's tables.
 
 A tree is flattened parents-before-children, node 0 is the root (the bonus token `b`, already committed).
-`N` = number of nodes = the verification budget *including the root*.
+`N` = number of nodes = the verification budget *including the root*. A batch verifies one tree per row:
+`TreeBatch` packs `R` trees, padded to the largest.
 """
 
 from __future__ import annotations
 
 import heapq
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -56,21 +57,65 @@ class DraftTree:
         return table
 
     def ancestor_matrix(self) -> torch.BoolTensor:
-        """`[N, N]`, entry `[i, j]` true when node j is node i or one of its ancestors.
+        """`[N, N]`, entry `[i, j]` true when node j is node i or one of its ancestors."""
+        return TreeBatch.pack([self]).ancestor_matrix()[0]
 
-        Pointer doubling over the parent relation: `log2(depth)` boolean matrix products, no loop over nodes.
-        """
-        n = self.size
-        device = self.tokens.device
-        reach = torch.eye(n, dtype=torch.float32, device=device)
-        child_idx = torch.arange(1, n, device=device)
-        reach[child_idx, self.parents[1:]] = 1.0  # reach = I + P
-        max_depth = int(self.depths.max()) if n > 1 else 0
+
+@dataclass
+class TreeBatch:
+    """`R` rows' trees packed for one verification forward, padded to `N` = the largest tree's size.
+
+    tokens: `[R, N]` (padding nodes carry their row's root token); parents: `[R, N]` parent index (-1 for roots
+    and padding); depths: `[R, N]` (0 for padding); valid: `[R, N]` true for real nodes; trees: the row trees.
+    A padding node attends only to itself and nothing accepts it.
+    """
+
+    tokens: torch.LongTensor
+    parents: torch.LongTensor
+    depths: torch.LongTensor
+    valid: torch.BoolTensor
+    trees: list[DraftTree]
+    _ancestors: torch.BoolTensor | None = field(default=None, init=False, repr=False)
+
+    @classmethod
+    def pack(cls, trees: list[DraftTree]) -> "TreeBatch":
+        width = max(tree.size for tree in trees)
+        rows = len(trees)
+        tokens = torch.stack([tree.tokens[:1] for tree in trees]).expand(rows, width).clone()
+        parents = torch.full((rows, width), -1, dtype=torch.long)
+        depths = torch.zeros((rows, width), dtype=torch.long)
+        valid = torch.zeros((rows, width), dtype=torch.bool)
+        for row, tree in enumerate(trees):
+            n = tree.size
+            tokens[row, :n], parents[row, :n], depths[row, :n] = tree.tokens, tree.parents, tree.depths
+            valid[row, :n] = True
+        return cls(tokens, parents, depths, valid, trees)
+
+    @property
+    def width(self) -> int:
+        return int(self.tokens.shape[1])
+
+    def is_uniform_chain(self) -> bool:
+        """True when every row's tree is a chain of the full width (a linear draft, or roots alone): then the
+        model's own causal mask is the tree mask."""
+        return bool(self.valid.all()) and all(tree.is_chain() for tree in self.trees)
+
+    def ancestor_matrix(self) -> torch.BoolTensor:
+        """`[R, N, N]`, entry `[r, i, j]` true when node j is node i or one of its ancestors in row r's tree
+        (padding nodes: themselves only). Batched pointer doubling: `log2(depth)` matrix products; computed once."""
+        if self._ancestors is not None:
+            return self._ancestors
+        rows, n = self.tokens.shape
+        reach = torch.eye(n).expand(rows, n, n).clone()
+        row_index, node_index = (self.parents >= 0).nonzero(as_tuple=True)
+        reach[row_index, node_index, self.parents[row_index, node_index]] = 1.0
+        max_depth = int(self.depths.max())
         covered = 1
         while covered < max_depth:
-            reach = (reach @ reach).clamp_(max=1.0)
+            reach = torch.bmm(reach, reach).clamp_(max=1.0)
             covered *= 2
-        return reach.bool()
+        self._ancestors = reach.bool()
+        return self._ancestors
 
 
 def chain_tree(root_token: int, tokens: torch.LongTensor, log_probs: torch.Tensor) -> DraftTree:

@@ -49,18 +49,51 @@ def check_pair(target, drafter) -> None:
             f"Drafter dtype {drafter.dtype} != target dtype {target.dtype}: load both in one dtype, "
             f"e.g. `drafter.to({target.dtype})`."
         )
-    if target.device != drafter.device:
+    split_over_devices = len(set(getattr(target, "hf_device_map", {}).values())) > 1  # accelerate's device_map
+    if target.device != drafter.device and not split_over_devices:
         raise TreeFlashInputError(
             f"Drafter is on {drafter.device} but the target is on {target.device}: put both on one device, "
             f"e.g. `drafter.to('{target.device}')`."
         )
 
 
-def check_inputs(target, input_ids: torch.Tensor) -> None:
-    if input_ids.shape[0] != 1:
+def check_inputs(target, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None,
+                 generation_config=None, streamer=None) -> None:
+    """A left-padded batch of prompts the engine can decode, on the models' device."""
+    batch_size, width = input_ids.shape
+    if width == 0 or (attention_mask is not None and bool((attention_mask.sum(dim=-1) == 0).any())):
         raise TreeFlashInputError(
-            f"TreeFlash decoding takes one sequence at a time (batch size 1), got batch size {input_ids.shape[0]}. "
-            "Batched tree decoding is not implemented yet: loop over the prompts."
+            "A prompt is empty: TreeFlash decoding starts from at least one token per row (the target must run on "
+            "something to draft from). Give every row at least one token, e.g. a BOS token."
+        )
+    num_beams = getattr(generation_config, "num_beams", 1) or 1
+    if num_beams > 1:
+        raise TreeFlashInputError(
+            f"Beam search (num_beams={num_beams}) cannot be combined with speculative decoding: TreeFlash emits "
+            "the target's own greedy or sampled tokens. Use num_beams=1, or drop `assistant_model`."
+        )
+    if batch_size > 1 and streamer is not None:
+        raise ValueError(  # the error transformers' own streamers give
+            f"{type(streamer).__name__} only supports batch size 1 (got batch size {batch_size}): stream one prompt "
+            "at a time, or drop `streamer`."
+        )
+    if batch_size > 1 and getattr(generation_config, "pad_token_id", None) is None:
+        raise TreeFlashInputError(
+            "A batch needs a pad token to fill the rows that finish first: pass `pad_token_id=` to generate() (e.g. "
+            "`tokenizer.pad_token_id`, or the EOS id) or set `generation_config.pad_token_id`."
+        )
+    if attention_mask is not None and bool((attention_mask[:, -1] == 0).any()):
+        raise TreeFlashInputError(
+            "The batch is right-padded (a row's attention_mask ends in 0): decoder-only generation continues every "
+            "row from its last column. Pad on the left: `tokenizer(..., padding=True, padding_side='left')`."
+        )
+    max_positions = getattr(target.config.get_text_config(), "max_position_embeddings", None)
+    max_length = getattr(generation_config, "max_length", None)
+    if max_positions is not None and max_length is not None and max_length > max_positions:
+        raise TreeFlashInputError(
+            f"Prompt plus new tokens need {max_length} positions but the target holds at most {max_positions} "
+            f"(max_position_embeddings): shorten the prompts (the padded width is {width}) or lower "
+            "max_new_tokens."
         )
     if input_ids.device.type != target.device.type:
         raise TreeFlashInputError(

@@ -1,4 +1,5 @@
-"""`treeflash-hf train`: train a drafter stage for any target (one CPU, one GPU, or `accelerate launch`)."""
+"""`treeflash-hf train`: train a drafter stage for any target (one CPU, one GPU, or several processes with DDP
+under `accelerate launch` / `torchrun`). `--seed` fixes the whole run, the new drafter's initialisation included."""
 
 from __future__ import annotations
 
@@ -42,6 +43,7 @@ def new_drafter(target, args):
 
 
 def run(args: argparse.Namespace) -> int:
+    from accelerate import PartialState
     from transformers import AutoModel, AutoModelForCausalLM
 
     import treeflash_hf  # noqa: F401
@@ -50,8 +52,10 @@ def run(args: argparse.Namespace) -> int:
     from .drafter import DrafterLossConfig, train_drafter
     from .loop import LoopConfig
 
-    device = torch.device(args.device)
+    # Under a multi-process launch each process gets its own device (cuda:<local rank>, or the CPU).
+    device = torch.device(args.device) if args.device else PartialState(cpu=not torch.cuda.is_available()).device
     target = AutoModelForCausalLM.from_pretrained(args.target, dtype=torch.float32).to(device).eval()
+    torch.manual_seed(args.seed)  # the new drafter (or the layers a converted checkpoint lacks) starts seeded
     if args.drafter is None:
         drafter = new_drafter(target, args)
     elif "dflash_config" in json.loads((Path(args.drafter) / "config.json").read_text()):
@@ -69,14 +73,18 @@ def run(args: argparse.Namespace) -> int:
                                     ce_weight=args.ce_weight)
     loop = LoopConfig(run_dir=str(Path(args.out) / "run"), max_steps=args.steps, max_minutes=args.minutes,
                       batch_size=args.batch_size, lr=args.lr, warmup_steps=args.warmup_steps,
-                      eval_every=args.eval_every, save_every=args.save_every, seed=args.seed, resume=args.resume)
+                      eval_every=args.eval_every, save_every=args.save_every, seed=args.seed, resume=args.resume,
+                      mixed_precision=args.mixed_precision)
     summary = train_drafter(target, drafter, train, heldout, loss_config, loop, full_finetune=args.full_finetune)
-    for param in drafter.parameters():
-        param.requires_grad = True
-    final = Path(args.out) / "final"
-    drafter.save_pretrained(final)
-    (final / "training_summary.json").write_text(json.dumps({args.stage: summary}, indent=2))
-    print(f"saved {final}")
+    state = PartialState()
+    if state.is_main_process:
+        for param in drafter.parameters():
+            param.requires_grad = True
+        final = Path(args.out) / "final"
+        drafter.save_pretrained(final)
+        (final / "training_summary.json").write_text(json.dumps({args.stage: summary}, indent=2))
+        print(f"saved {final}")
+    state.wait_for_everyone()
     return 0
 
 
@@ -90,7 +98,8 @@ def add_parser(subparsers) -> None:
     parser.add_argument("--out", required=True)
     parser.add_argument("--steps", type=int, default=1000)
     parser.add_argument("--minutes", type=float)
-    parser.add_argument("--batch-size", type=int, default=8)
+    parser.add_argument("--batch-size", type=int, default=8,
+                        help="rows per step over all processes together (each process computes its share)")
     parser.add_argument("--seq-len", type=int, default=256)
     parser.add_argument("--lr", type=float, default=6e-4)
     parser.add_argument("--warmup-steps", type=int, default=50)
@@ -106,5 +115,7 @@ def add_parser(subparsers) -> None:
     parser.add_argument("--save-every", type=int, default=200)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--resume", action="store_true")
-    parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    parser.add_argument("--mixed-precision", choices=["no", "bf16", "fp16"], default="no",
+                        help="autocast for the losses; weights and optimizer state stay float32")
+    parser.add_argument("--device", help="default: this process's accelerator device (a GPU if any, else the CPU)")
     parser.set_defaults(func=run)

@@ -13,10 +13,9 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
-import torch.nn.functional as F
 
 from ..validation import check_pair
-from .loop import LoopConfig, train_loop
+from .loop import LossTerms, LoopConfig, Shard, ratios, train_loop
 
 
 @dataclass
@@ -55,18 +54,18 @@ def sample_anchors(batch: int, seq_len: int, block_size: int, num_anchors: int, 
     return torch.randint(1, high, (batch, num_anchors), generator=generator)
 
 
-def drafter_loss(
+def drafter_loss_terms(
     target,
     drafter,
     input_ids: torch.LongTensor,
     loss_config: DrafterLossConfig,
-    generator: torch.Generator,
+    anchors: torch.LongTensor,
     loss_mask: torch.Tensor | None = None,
     stage: str | None = None,
-) -> tuple[torch.Tensor, dict]:
-    """Weighted KL to the verifier over all block slots. input_ids: `[B, T + 1]` (the last token is only a
-    label); loss_mask: `[B, T + 1]`, 1 where a predicted token counts (e.g. the response). Returns the loss and
-    metrics (`kl`, `top1` = how often the drafter's argmax is the verifier's, slot 1 and mean)."""
+) -> LossTerms:
+    """The loss of `drafter_loss` as sums: `loss_sum` = sum of slot-weighted losses, `weight` = sum of slot
+    weights, metrics as (numerator, denominator), so that the shares of a batch computed on several processes
+    add up to the loss and metrics of the whole batch. anchors: `[B, A]` block starts (`sample_anchors`)."""
     stage = stage or loss_config.stage
     config = drafter.config
     block = config.block_size
@@ -80,7 +79,7 @@ def drafter_loss(
         context = torch.cat([out.hidden_states[i + 1] for i in config.target_layer_ids], dim=-1)  # [B, T, n*H]
         teacher_logp = torch.log_softmax(out.logits.float(), dim=-1)  # [B, T, V]: row j predicts token j + 1
 
-    anchors = sample_anchors(batch, seq_len, block, loss_config.num_anchors, generator).to(device)  # [B, A]
+    anchors = anchors.to(device)  # [B, A]
     num_anchors = anchors.shape[1]
     slot = torch.arange(block, device=device)
     block_positions = (anchors[:, :, None] + slot).reshape(batch, -1)  # [B, A*Q]
@@ -116,14 +115,35 @@ def drafter_loss(
         labels = input_ids.to(device).gather(1, predicted_pos)
         ce = -drafter_logp.gather(-1, labels[..., None])[..., 0]
         per_slot = (1 - loss_config.ce_weight) * kl + loss_config.ce_weight * ce
-    loss = (per_slot * weights).sum() / weights.sum().clamp_min(1e-6)
     with torch.no_grad():
+        weight = weights.sum()
         agree = (drafter_logp.argmax(-1) == teacher.argmax(-1)).float().view(batch, num_anchors, block - 1)
-        metrics = {"kl": float((kl * weights).sum() / weights.sum().clamp_min(1e-6)),
-                   "top1_slot1": float(agree[:, :, 0].mean()), "top1_mean": float(agree.mean()),
+        blocks = batch * num_anchors
+        metrics = {"kl": ((kl * weights).sum(), weight),
+                   "top1_slot1": (agree[:, :, 0].sum(), blocks), "top1_mean": (agree.sum(), agree.numel()),
                    # greedy acceptance proxy: leading slots where the drafter's argmax is the verifier's
-                   "accept_proxy": float(agree.cumprod(-1).sum(-1).mean())}
-    return loss, metrics
+                   "accept_proxy": (agree.cumprod(-1).sum(), blocks)}
+    return LossTerms((per_slot * weights).sum(), weight, metrics, tokens=input_ids.numel())
+
+
+def drafter_loss(
+    target,
+    drafter,
+    input_ids: torch.LongTensor,
+    loss_config: DrafterLossConfig,
+    generator: torch.Generator,
+    loss_mask: torch.Tensor | None = None,
+    stage: str | None = None,
+) -> tuple[torch.Tensor, dict]:
+    """Weighted KL to the verifier over all block slots, anchors drawn from `generator`. input_ids:
+    `[B, T + 1]` (the last token is only a label); loss_mask: `[B, T + 1]`, 1 where a predicted token counts
+    (e.g. the response). Returns the loss and metrics (`kl`, `top1` = how often the drafter's argmax is the
+    verifier's, slot 1 and mean, `accept_proxy`)."""
+    batch, seq_len = input_ids.shape[0], input_ids.shape[1] - 1
+    anchors = sample_anchors(batch, seq_len, drafter.config.block_size, loss_config.num_anchors, generator)
+    terms = drafter_loss_terms(target, drafter, input_ids, loss_config, anchors, loss_mask, stage)
+    loss = terms.loss_sum / terms.weight.clamp_min(1e-6)
+    return loss, ratios({name: (float(num), float(den)) for name, (num, den) in terms.metrics.items()})
 
 
 def freeze_for_stage(drafter, stage: str, full_finetune: bool = False) -> None:
@@ -136,38 +156,51 @@ def freeze_for_stage(drafter, stage: str, full_finetune: bool = False) -> None:
 
 def train_drafter(target, drafter, train_data, heldout_batches: list, loss_config: DrafterLossConfig,
                   config: LoopConfig, full_finetune: bool = False) -> dict:
-    """Train `drafter` for `target` (frozen). `train_data.batch(step, B)` gives `[B, T + 1]` ids or (ids, mask)."""
+    """Train `drafter` for `target` (frozen). `train_data.batch(step, B)` gives `[B, T + 1]` ids or (ids, mask).
+
+    Anchors are drawn for the whole global batch (seeded by the step) before each process takes its rows, so
+    the data and the anchors of a step are the same whatever the number of processes."""
     check_pair(target, drafter)
     target.requires_grad_(False)
     target.eval()
     freeze_for_stage(drafter, loss_config.stage, full_finetune)
+    block = drafter.config.block_size
     anchor_generator = torch.Generator()
 
     def unpack(item):
         return item if isinstance(item, tuple) else (item, None)
 
-    def loss_fn(step: int):
+    def share(ids, mask, anchors, shard: Shard):
+        rows = shard.rows(ids.shape[0])
+        return ids[rows].to(target.device), anchors[rows], None if mask is None else mask[rows]
+
+    def loss_fn(step: int, shard: Shard) -> LossTerms:
         ids, mask = unpack(train_data.batch(step, config.batch_size))
         anchor_generator.manual_seed(config.seed * 7919 + step)
-        loss, metrics = drafter_loss(target, drafter, ids.to(target.device), loss_config, anchor_generator, mask)
-        return loss, metrics, ids.numel()
+        anchors = sample_anchors(ids.shape[0], ids.shape[1] - 1, block, loss_config.num_anchors, anchor_generator)
+        ids, anchors, mask = share(ids, mask, anchors, shard)
+        return drafter_loss_terms(target, drafter, ids, loss_config, anchors, mask)
 
-    def eval_fn():
-        totals: dict[str, float] = {}
+    def eval_fn(shard: Shard) -> dict[str, tuple]:
+        totals: dict[str, tuple] = {}
         eval_generator = torch.Generator().manual_seed(12345)
         stages = ["backbone", "ar"] if loss_config.stage == "ar" else ["backbone"]
         for stage in stages:
             for item in heldout_batches:
                 ids, mask = unpack(item)
-                _, metrics = drafter_loss(target, drafter, ids.to(target.device), loss_config, eval_generator, mask,
-                                          stage=stage)
-                for key, value in metrics.items():
-                    name = f"{stage}_{key}"
-                    totals[name] = totals.get(name, 0.0) + value / len(heldout_batches)
+                anchors = sample_anchors(ids.shape[0], ids.shape[1] - 1, block, loss_config.num_anchors,
+                                         eval_generator)
+                ids, anchors, mask = share(ids, mask, anchors, shard)
+                if len(ids) == 0:  # a held-out batch with fewer rows than processes
+                    continue
+                terms = drafter_loss_terms(target, drafter, ids, loss_config, anchors, mask, stage=stage)
+                for key, (num, den) in terms.metrics.items():
+                    total_num, total_den = totals.get(f"{stage}_{key}", (0.0, 0.0))
+                    totals[f"{stage}_{key}"] = (total_num + float(num), total_den + float(den))
         return totals
 
     return train_loop(drafter, loss_fn, eval_fn, config, f"drafter-{loss_config.stage}")
 
 
-__all__ = ["DrafterLossConfig", "drafter_loss", "freeze_for_stage", "slot_weights", "train_drafter",
-           "block_attention_mask", "sample_anchors"]
+__all__ = ["DrafterLossConfig", "drafter_loss", "drafter_loss_terms", "freeze_for_stage", "slot_weights",
+           "train_drafter", "block_attention_mask", "sample_anchors"]

@@ -1,0 +1,122 @@
+"""The command line fails like a tool: an expected failure prints one `error: ...` line naming the fix and exits
+non-zero, with no traceback unless `--debug` is given. Each case runs the real CLI in a subprocess, offline."""
+
+import http.server
+import json
+import os
+import shutil
+import subprocess
+import sys
+import threading
+
+import pytest
+
+from treeflash_hf import reference
+
+CLI = [sys.executable, "-m", "treeflash_hf.cli"]
+
+
+def run_cli(args, cwd, **env) -> subprocess.CompletedProcess:
+    environment = {name: value for name, value in os.environ.items() if name not in ("HF_TOKEN", "HF_ENDPOINT")}
+    environment.update({"HF_HUB_OFFLINE": "1", "HF_HOME": str(cwd / "hf_home"), "TRANSFORMERS_VERBOSITY": "error",
+                        **env})
+    return subprocess.run(CLI + [str(arg) for arg in args], cwd=cwd, env=environment, capture_output=True, text=True,
+                          timeout=300)
+
+
+def assert_tool_failure(done: subprocess.CompletedProcess, *needles: str) -> str:
+    """Non-zero exit, no traceback, exactly one `error:` line on stderr, which holds every needle."""
+    assert done.returncode != 0, done.stdout
+    assert "Traceback" not in done.stderr, done.stderr
+    errors = [line for line in done.stderr.splitlines() if line.startswith("error:")]
+    assert len(errors) == 1, done.stderr
+    for needle in needles:
+        assert needle in errors[0], errors[0]
+    return errors[0]
+
+
+@pytest.fixture(scope="module")
+def corrupt(tmp_path_factory):
+    """A drafter folder whose weights are cut short, and a DFlash-looking folder whose weights are garbage."""
+    root = tmp_path_factory.mktemp("corrupt")
+    shutil.copytree(reference.BUNDLED_DIR / "drafter", root / "truncated")
+    weights = root / "truncated" / "model.safetensors"
+    weights.write_bytes(weights.read_bytes()[: weights.stat().st_size // 2])
+    (root / "dflash").mkdir()
+    (root / "dflash" / "config.json").write_text(json.dumps({
+        "hidden_size": 8, "num_hidden_layers": 1, "num_attention_heads": 1, "vocab_size": 8, "block_size": 4,
+        "dflash_config": {"mask_token_id": 1}}))
+    (root / "dflash" / "model.safetensors").write_bytes(b"\x00" * 64)
+    return root
+
+
+@pytest.fixture(scope="module")
+def refusing_hub():
+    """A local stand-in for the Hub that answers every request 401 (a rejected token)."""
+
+    class Refuse(http.server.BaseHTTPRequestHandler):
+        def refuse(self):
+            body = json.dumps({"error": "Invalid credentials in Authorization header"}).encode()
+            self.send_response(401)
+            self.send_header("Content-Type", "application/json")
+            self.send_header("Content-Length", str(len(body)))
+            self.end_headers()
+            self.wfile.write(body)
+
+        do_GET = do_POST = do_PUT = do_HEAD = refuse
+
+        def log_message(self, *args):
+            pass
+
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Refuse)
+    thread = threading.Thread(target=server.serve_forever, daemon=True)
+    thread.start()
+    yield f"http://127.0.0.1:{server.server_address[1]}"
+    server.shutdown()
+    server.server_close()
+
+
+CASES = {
+    "push-truncated-weights": (lambda root: ["push", root / "truncated", "--repo-id", "org/x", "--dry-run",
+                                             root / "out"], ("model.safetensors", "truncated or corrupt"), {}),
+    "push-without-network": (lambda root: ["push", reference.BUNDLED_DIR / "drafter", "--repo-id", "org/x"],
+                             ("Cannot reach the Hugging Face Hub", "--dry-run"),
+                             {"HF_HUB_OFFLINE": "0", "HF_ENDPOINT": "http://127.0.0.1:9", "HF_TOKEN": "hf_unused"}),
+    "push-without-token": (lambda root: ["push", reference.BUNDLED_DIR / "drafter", "--repo-id", "org/x"],
+                           ("No Hugging Face token", "hf auth login"), {"HF_HUB_OFFLINE": "0"}),
+    "train-missing-target": (lambda root: ["train", "--stage", "ar", "--target", "/nonexistent", "--data", "x.npy",
+                                           "--out", root / "run"], ("--target /nonexistent", "check the path"), {}),
+    "convert-corrupt-weights": (lambda root: ["convert-dflash", root / "dflash", root / "converted"],
+                                ("not a readable safetensors file", "download the checkpoint again"), {}),
+    "demo-tree-budget-0": (lambda root: ["demo", "--tree-budget", "0"], ("--tree-budget", "1 means plain"), {}),
+    "bundle-not-a-drafter": (lambda root: ["bundle", "--target", reference.BUNDLED_DIR / "target", "--drafter",
+                                           reference.BUNDLED_DIR / "draft_lm", "--out", root / "folder"],
+                             ("not a TreeFlash drafter", "convert-dflash"), {}),
+    "serve-bench-not-a-folder": (lambda root: ["serve-bench", "--folder", root / "truncated"],
+                                 ("not a TreeFlash model folder", "treeflash-hf bundle"), {}),
+}
+
+
+@pytest.mark.parametrize("case", sorted(CASES))
+def test_expected_failures_are_one_error_line(case, corrupt, tmp_path):
+    args, needles, env = CASES[case]
+    assert_tool_failure(run_cli(args(corrupt), tmp_path, **env), *needles)
+
+
+@pytest.mark.parametrize("case", ["push-truncated-weights", "train-missing-target"])
+def test_debug_shows_the_traceback(case, corrupt, tmp_path):
+    args, _, env = CASES[case]
+    done = run_cli(["--debug", *args(corrupt)], tmp_path, **env)
+    assert done.returncode != 0 and "Traceback (most recent call last)" in done.stderr
+
+
+def test_argument_errors_keep_the_usage_line(tmp_path):
+    done = run_cli(["bench", "--budgets", "4", "-1"], tmp_path)
+    assert done.returncode == 2 and done.stderr.startswith("usage: treeflash-hf bench")
+    assert_tool_failure(done, "argument --budgets: -1 is not allowed")
+
+
+def test_push_with_a_rejected_token(refusing_hub, tmp_path):
+    done = run_cli(["push", reference.BUNDLED_DIR / "drafter", "--repo-id", "org/x"], tmp_path, HF_HUB_OFFLINE="0",
+                   HF_ENDPOINT=refusing_hub, HF_TOKEN="hf_rejected")
+    assert_tool_failure(done, "The Hub refused the upload to org/x", "hf auth login")

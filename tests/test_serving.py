@@ -1,0 +1,117 @@
+"""End to end: `transformers serve` on the bundled TreeFlash folder (fp32, CPU, loopback), queried with the `openai`
+client. Every completion, streamed or not, one client or several at once, must be the text of offline greedy
+generation by the plain target; bad requests get a 4xx with a message; the server stops cleanly."""
+
+import concurrent.futures
+import signal
+import urllib.error
+import urllib.request
+
+import openai
+import pytest
+import torch
+from transformers import AutoModelForCausalLM, AutoTokenizer
+
+from treeflash_hf import reference
+from treeflash_hf.serve_bench import stream_completion, time_servers
+from treeflash_hf.serving import running_server, stop_server
+
+FOLDER = reference.BUNDLED_DIR / "target"
+PROMPTS = ["import os\n\n\ndef read_lines(path):\n", "class Stack:\n    def __init__(self):\n"]
+MAX_TOKENS = 16
+REQUEST_TIMEOUT_S = 120.0
+
+
+@pytest.fixture(scope="module")
+def expected():
+    """Offline greedy continuation of every prompt by the plain target (fp32), as text."""
+    tokenizer = AutoTokenizer.from_pretrained(FOLDER)
+    plain = AutoModelForCausalLM.from_pretrained(FOLDER, dtype=torch.float32)
+    texts = {}
+    for prompt in PROMPTS:
+        inputs = tokenizer(prompt, return_tensors="pt")
+        new = plain.generate(**inputs, max_new_tokens=MAX_TOKENS, do_sample=False)[0, inputs["input_ids"].shape[1]:]
+        texts[prompt] = tokenizer.decode(new, skip_special_tokens=True)
+    return texts
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory):
+    log_path = tmp_path_factory.mktemp("serve") / "serve.log"
+    with running_server(FOLDER, trust_remote_code=True, dtype="float32", device="cpu", startup_timeout_s=180,
+                        log_path=log_path) as running:
+        yield running
+
+
+def client(server) -> openai.OpenAI:
+    return openai.OpenAI(base_url=f"{server.base_url}/v1", api_key="unused", max_retries=0, timeout=REQUEST_TIMEOUT_S)
+
+
+def complete(server, prompt: str) -> str:
+    response = client(server).completions.create(model=server.model, prompt=prompt, max_tokens=MAX_TOKENS,
+                                                 temperature=0.0)
+    return response.choices[0].text
+
+
+def test_completions_are_offline_greedy_generation(server, expected):
+    for prompt in PROMPTS:
+        assert complete(server, prompt) == expected[prompt]
+
+
+def test_streamed_completions_arrive_in_pieces_and_match(server, expected):
+    for prompt in PROMPTS:
+        stream = client(server).completions.create(model=server.model, prompt=prompt, max_tokens=MAX_TOKENS,
+                                                   temperature=0.0, stream=True)
+        pieces = [chunk.choices[0].text for chunk in stream if chunk.choices and chunk.choices[0].text]
+        assert len(pieces) > 1 and "".join(pieces) == expected[prompt]
+
+
+def test_concurrent_clients(server, expected):
+    requests = PROMPTS * 2
+    with concurrent.futures.ThreadPoolExecutor(max_workers=len(requests)) as pool:
+        futures = [pool.submit(complete, server, prompt) for prompt in requests]
+        done, pending = concurrent.futures.wait(futures, timeout=len(requests) * REQUEST_TIMEOUT_S)
+        assert not pending
+    assert [future.result() for future in futures] == [expected[prompt] for prompt in requests]
+
+
+def test_streamed_chat(server, expected):
+    """The bundled chat template lays the messages out as plain text, so the assistant's reply continues the prompt.
+    (transformers serve's Qwen3 reply parser also returns the prompt text in front of the reply.)"""
+    stream = client(server).chat.completions.create(model=server.model, max_tokens=MAX_TOKENS, temperature=0.0,
+                                                    messages=[{"role": "user", "content": PROMPTS[0]}], stream=True)
+    pieces = [chunk.choices[0].delta.content for chunk in stream if chunk.choices and chunk.choices[0].delta.content]
+    assert len(pieces) > 1 and "".join(pieces).endswith(expected[PROMPTS[0]])
+
+
+def test_bad_requests_get_a_client_error_with_a_message(server):
+    with pytest.raises(openai.BadRequestError) as unknown:  # status 400, the message in the body
+        client(server).completions.create(model="org/unknown-model", prompt="x", max_tokens=4)
+    assert "pinned to" in unknown.value.body["detail"]
+    with pytest.raises(openai.BadRequestError) as negative:
+        client(server).completions.create(model=server.model, prompt="x", max_tokens=-1)
+    assert "`max_new_tokens` must be greater than 0" in negative.value.body["detail"]
+    with pytest.raises(openai.APIError) as streamed:  # the stream is already open: the error arrives in it
+        list(client(server).completions.create(model=server.model, prompt="x", max_tokens=-1, stream=True))
+    assert "max_new_tokens" in str(streamed.value.body)
+    request = urllib.request.Request(f"{server.base_url}/v1/completions", data=b'{"model": "x", "prompt": ',
+                                     headers={"Content-Type": "application/json"})
+    with pytest.raises(urllib.error.HTTPError) as malformed:
+        urllib.request.urlopen(request, timeout=REQUEST_TIMEOUT_S)
+    assert malformed.value.code == 422 and "JSON decode error" in malformed.value.read().decode()
+
+
+def test_serve_bench_measures_each_server(server, expected):
+    report = time_servers({"plain": server, "treeflash": server}, PROMPTS[:1], MAX_TOKENS, repeats=1)
+    for summary in report["servers"].values():
+        assert summary["requests"] == 1 and summary["mean_tokens"] == MAX_TOKENS
+        assert 0 < summary["first_token_ms"] and summary["tokens_per_s"] > 0
+    assert report["identical_texts"]
+    run = stream_completion(client(server), server.model, PROMPTS[1], MAX_TOKENS)
+    assert run["text"] == expected[PROMPTS[1]] and run["first_token_s"] <= run["total_s"]
+
+
+def test_server_stops_cleanly(server):
+    assert stop_server(server.process, grace_s=30) in (0, -signal.SIGTERM)  # not killed
+    log = server.log_path.read_text()
+    assert "Application shutdown complete" in log and "Traceback" not in log, log[-3000:]

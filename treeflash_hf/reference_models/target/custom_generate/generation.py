@@ -1,0 +1,551 @@
+"""The TreeFlash decoding loop and its `generate()` integration.
+
+Pipeline per step (one target forward each): draft -> build tree -> verify -> accept -> commit caches. A step may
+skip the draft and verify the lookup branch or the root alone (`lookup.StepScheduler`); the drafter then receives
+the skipped positions' context with its next draft.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import copy
+import functools
+import logging
+import time
+from dataclasses import dataclass, field
+
+import torch
+from transformers import DynamicCache, GenerationConfig
+from transformers.generation import GenerationMixin
+from transformers.generation.logits_process import (
+    LogitsProcessorList,
+    TemperatureLogitsWarper,
+    TopKLogitsWarper,
+    TopPLogitsWarper,
+)
+from transformers.generation.stopping_criteria import (
+    EosTokenCriteria,
+    MaxLengthCriteria,
+    StoppingCriteriaList,
+    StopStringCriteria,
+)
+from transformers.generation.utils import GenerateDecoderOnlyOutput
+
+from .accept import Acceptance, RowProcessor, greedy_accept, walk_tree
+from .cache import check_cache_supported, compact_cache, repack, select_rows
+from .draft import DraftContext, TreeFlashCandidateGenerator
+from .learned import learned_state
+from .lookup import MAX_NGRAM, MIN_PATH_PROB, expected_accepted, ngram_continuation, useful_length
+from .options import OPTION_NAMES, TreeOptions
+from .sync import DecisionSync
+from .tree import TreeBatch, chain_tree, root_tree
+from .validation import (
+    TREE_MASK_BACKENDS,
+    TreeFlashInputError,
+    check_attention_backend,
+    check_inputs,
+    check_pair,
+    is_treeflash_drafter,
+)
+from .verify import run_target, verify_trees
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass
+class TreeFlashStats:
+    """Per verification step: `accepted_lengths` drafted tokens accepted (the bonus token not counted),
+    `tree_sizes` nodes verified (root included), `expected_accepted_lengths` the drafter's own estimate,
+    `step_kinds` what the step verified: `"draft"` (the drafter's tree), `"lookup"` (the lookup branch alone) or
+    `"plain"` (the root alone); the last two skip the drafter."""
+
+    accepted_lengths: list[int] = field(default_factory=list)
+    tree_sizes: list[int] = field(default_factory=list)
+    expected_accepted_lengths: list[float] = field(default_factory=list)
+    step_kinds: list[str] = field(default_factory=list)
+
+    @property
+    def tau(self) -> float:
+        """Block efficiency: tokens emitted per target forward (accepted + bonus), averaged over steps."""
+        if not self.accepted_lengths:
+            return float("nan")
+        return 1.0 + sum(self.accepted_lengths) / len(self.accepted_lengths)
+
+    @classmethod
+    def pooled(cls, rows: list["TreeFlashStats"]) -> "TreeFlashStats":
+        """Every row's steps, row after row (its `tau` is the batch's: all tokens over all row-steps)."""
+        pooled = cls()
+        for row in rows:
+            pooled.accepted_lengths += row.accepted_lengths
+            pooled.tree_sizes += row.tree_sizes
+            pooled.expected_accepted_lengths += row.expected_accepted_lengths
+            pooled.step_kinds += row.step_kinds
+        return pooled
+
+
+@dataclass
+class TreeFlashGenerateOutput(GenerateDecoderOnlyOutput):
+    """`GenerateDecoderOnlyOutput` plus per-step statistics: `accepted_lengths`, `tree_sizes`,
+    `expected_accepted_lengths`, `step_kinds` (one entry per verification step of each row, rows one after the
+    other) and `tau` (over all rows); `per_row` holds each row's own `TreeFlashStats` and `tau_per_row` its τ."""
+
+    accepted_lengths: list[int] | None = None
+    tree_sizes: list[int] | None = None
+    expected_accepted_lengths: list[float] | None = None
+    step_kinds: list[str] | None = None
+    tau: float | None = None
+    per_row: list[TreeFlashStats] | None = None
+    tau_per_row: list[float] | None = None
+
+
+class Rows:
+    """The working batch: per-row state of the rows still decoding, in batch order. Rows that finish leave it
+    (`keep`), and every batched tensor (caches, masks, pending context) is narrowed with them.
+
+    ids: original row indices; sequences: per row `[1, S + new]` (the padded prompt, then its new tokens); pads:
+    left padding per row; root_tokens: the committed token the next step verifies first (not yet run by the
+    target); root_positions: `[R]` its position (the row's own count of real tokens before it)."""
+
+    def __init__(self, input_ids: torch.LongTensor, pads: list[int], root_positions: torch.LongTensor):
+        self.ids = list(range(input_ids.shape[0]))
+        self.sequences = [input_ids[row : row + 1] for row in self.ids]
+        self.pads = pads
+        self.root_tokens: list[int] = []
+        self.root_positions = root_positions
+
+    def __len__(self) -> int:
+        return len(self.ids)
+
+    def keep(self, keep: list[int]) -> None:
+        self.ids = [self.ids[i] for i in keep]
+        self.sequences = [self.sequences[i] for i in keep]
+        self.pads = [self.pads[i] for i in keep]
+        self.root_tokens = [self.root_tokens[i] for i in keep]
+        self.root_positions = self.root_positions[keep]
+
+
+def lookup_branches(rows: Rows, options: TreeOptions, lookup_rates, lengths: list[int]):
+    """Per row, the lookup branch `(tokens, log_probs)` of at most `lengths[r]` tokens (empty when the row's text
+    has no match) and its n-gram order, cut where its path probability falls below `MIN_PATH_PROB`."""
+    branches, orders = [], []
+    for sequence, pad, length in zip(rows.sequences, rows.pads, lengths):
+        tokens, ngram = ngram_continuation(sequence[0, pad:], MAX_NGRAM, length) if length > 0 else ([], 0)
+        log_probs = lookup_rates.log_probs(ngram, len(tokens)) if tokens else []
+        keep = useful_length(log_probs, MIN_PATH_PROB) if tokens else 0
+        branches.append((tokens[:keep], log_probs[:keep]))
+        orders.append(ngram)
+    return branches, orders
+
+
+def accept_all(trees: TreeBatch, logits: torch.Tensor, rows: Rows, process: RowProcessor, do_sample: bool,
+               sync: DecisionSync) -> list[Acceptance]:
+    """Stage 5 for every row: batched greedy acceptance when nothing depends on the path, else each row's walk.
+    Sampled choices are rank 0's under tensor parallelism."""
+    if not do_sample and not len(process):
+        return greedy_accept(trees, logits)
+    accepted = [
+        walk_tree(tree, logits[row, : tree.size], sequence,
+                  functools.partial(process, row_id) if len(process) else None, do_sample)
+        for row, (tree, sequence, row_id) in enumerate(zip(trees.trees, rows.sequences, rows.ids))
+    ]
+    if do_sample and sync.active:
+        paths = sync.share_token_lists([a.path for a in accepted])
+        tokens = sync.share_token_lists([a.tokens for a in accepted])
+        accepted = [a if (a.path, a.tokens) == (path, token_list) else
+                    Acceptance(path, token_list, [0] + path, [logits[row, n : n + 1] for n in [0] + path])
+                    for row, (a, path, token_list) in enumerate(zip(accepted, paths, tokens))]
+    return accepted
+
+
+@torch.no_grad()
+def treeflash_decode(
+    model,
+    input_ids: torch.LongTensor,
+    logits_processor: LogitsProcessorList,
+    stopping_criteria: StoppingCriteriaList,
+    generation_config: GenerationConfig,
+    drafter=None,
+    options: TreeOptions | None = None,
+    streamer=None,
+    candidate_generator: TreeFlashCandidateGenerator | None = None,
+    **model_kwargs,
+) -> torch.LongTensor | TreeFlashGenerateOutput:
+    """TreeFlash speculative decoding of the left-padded batch `input_ids [B, S]` with target `model`.
+
+    Has the signature of a transformers decoding method, so `generate()` prepares everything (config, logits
+    processors, stopping criteria, cache) and hands over. Each row drafts its own block (one batched drafter
+    forward), builds its own tree, and one target forward verifies every row's tree; each row keeps exactly its
+    accepted path in both caches. Stopping criteria are checked after every emitted token of every row, so
+    nothing is emitted past a stop; finished rows leave the working batch and are padded with `pad_token_id`.
+    `candidate_generator` replaces the default drafting side (a `TreeFlashCandidateGenerator` subclass with other
+    drafting or tree rules). Of `model_kwargs`, the target's `attention_mask` `[B, S]`, `position_ids` `[B, S]`
+    and `cache` are used.
+    """
+    attention_mask = model_kwargs.get("attention_mask")
+    position_ids = model_kwargs.get("position_ids")
+    cache = model_kwargs.get("cache")
+    target = model
+    options = options or TreeOptions.resolve(drafter, {})
+    check_inputs(target, input_ids, attention_mask, generation_config, streamer)
+    check_pair(target, drafter)
+    check_attention_backend(target)
+    cache = cache if cache is not None else DynamicCache(config=target.config)
+    check_cache_supported(cache)
+    if cache.get_seq_length() > 0:
+        raise TreeFlashInputError("TreeFlash decoding starts from an empty cache: do not pass a pre-filled cache.")
+    do_sample = bool(generation_config.do_sample)
+    return_dict = bool(generation_config.return_dict_in_generate)
+    keep_scores = return_dict and bool(generation_config.output_scores)
+    keep_logits = return_dict and bool(generation_config.output_logits)
+    sync = DecisionSync(target)
+    generator = candidate_generator or TreeFlashCandidateGenerator(drafter, target, options)
+    layer_ids = generator.target_layer_ids
+    device = target.get_input_embeddings().weight.device  # where the target's inputs and outputs live
+    batch_size = input_ids.shape[0]
+
+    # Left padding: `key_valid [R, L]` marks the cache slots each row may attend (None: all of them).
+    key_valid = None
+    if attention_mask is not None and not bool(attention_mask.all()):
+        key_valid = attention_mask.bool().cpu()
+    if position_ids is None:
+        position_ids = torch.arange(input_ids.shape[1], device=input_ids.device).expand(batch_size, -1)
+    pads = [0] * batch_size if key_valid is None else (~key_valid).sum(dim=1).tolist()
+    rows = Rows(input_ids, pads, position_ids[:, -1].cpu() + 1)
+
+    # Prefill: the target runs on the prompts; its next tokens are the first roots.
+    out = run_target(target, input_ids, position_ids, attention_mask, cache, layer_ids, logits_to_keep=1)
+    # context features the drafter has not seen yet, joined with each step's kept positions until the next draft
+    pending = DraftContext(generator.context_features(out.hidden_states, slice(None)), position_ids.cpu(), key_valid)
+    raw = out.logits[:, -1].float().to(device)  # [B, V]
+    processed = logits_processor(input_ids, raw.clone()) if len(logits_processor) else raw
+    if do_sample:
+        first_tokens = torch.multinomial(torch.softmax(processed, dim=-1), 1)[:, 0].tolist()
+        first_tokens = sync.share_ints(first_tokens)
+    else:
+        first_tokens = processed.argmax(dim=-1).tolist()
+
+    process = RowProcessor(logits_processor, batch_size)
+    stats = [TreeFlashStats() for _ in range(batch_size)]
+    scores: list[list[torch.Tensor]] = [[] for _ in range(batch_size)]
+    raw_logits: list[list[torch.Tensor]] = [[] for _ in range(batch_size)]
+    results: list[torch.LongTensor | None] = [None] * batch_size
+    learned = learned_state(drafter, target, options, generation_config, sync)  # carried over from earlier calls
+    auto_budget, lookup_rates, schedule = learned.auto_budget, learned.lookup_rates, learned.schedule
+
+    def emit(row: int, token: int, token_scores: torch.Tensor, token_raw: torch.Tensor) -> bool:
+        """Commit one token to working row `row`; True when that row must stop."""
+        sequence = torch.cat([rows.sequences[row], rows.sequences[row].new_tensor([[token]])], dim=-1)
+        rows.sequences[row] = sequence
+        if keep_scores:
+            scores[rows.ids[row]].append(token_scores)
+        if keep_logits:
+            raw_logits[rows.ids[row]].append(token_raw)
+        if streamer is not None:
+            streamer.put(torch.tensor([token]))
+        return bool(stopping_criteria(sequence, token_scores).any())
+
+    finished = [emit(row, token, processed[row : row + 1], raw[row : row + 1]) for row, token in enumerate(first_tokens)]
+    rows.root_tokens = first_tokens
+    while True:
+        # ---- finished rows leave the working batch ----
+        if any(finished):
+            keep = [row for row, done in enumerate(finished) if not done]
+            for row, done in enumerate(finished):
+                if done:
+                    results[rows.ids[row]] = rows.sequences[row][0]
+            if not keep:
+                break
+            keep_index = torch.tensor(keep)
+            select_rows(cache, keep_index)
+            generator.select_rows(keep_index)
+            key_valid = None if key_valid is None else key_valid[keep_index]
+            pending = DraftContext(pending.features[keep_index.to(pending.features.device)],
+                                   pending.positions[keep_index],
+                                   None if pending.valid is None else pending.valid[keep_index])
+            rows.keep(keep)
+        num_rows = len(rows)
+        remaining = [generation_config.max_length - sequence.shape[1] for sequence in rows.sequences]
+
+        # ---- draft -> build trees: what each row verifies ----
+        drafting_started = time.perf_counter()
+        budget = options.tree_budget if auto_budget is None else auto_budget.build_size(num_rows)
+        # the budget counts the root; under "auto" a branch verified alone may fill the largest measured forward
+        lookup_cap = budget if auto_budget is None else max(1, auto_budget.max_size // num_rows)
+        lookup_lengths = [min(options.tree_lookup, left - 1, lookup_cap - 1) for left in remaining]
+        branches, ngrams = lookup_branches(rows, options, lookup_rates, lookup_lengths)
+        branch_expected = [expected_accepted(log_probs) if tokens else None for tokens, log_probs in branches]
+        # budget 1 is plain decoding asked for: nothing to draft, nothing for the scheduler to choose
+        step_kind = "plain" if budget == 1 else schedule.choose(branch_expected, share=sync.share_step_kind)
+        if step_kind == "plain":  # the roots alone; the drafter catches up with its next draft
+            trees = [root_tree(token) for token in rows.root_tokens]
+        elif step_kind == "lookup":  # the lookup branches alone; likewise
+            trees = [chain_tree(token, torch.tensor(tokens, dtype=torch.long), torch.tensor(log_probs))
+                     for token, (tokens, log_probs) in zip(rows.root_tokens, branches)]
+            if auto_budget is not None:
+                width = auto_budget.choose_lookup(trees, share=sync.share_int)
+                trees = [tree.prefix(min(width, tree.size)) for tree in trees]
+        else:
+            prev_tokens = [int(sequence[0, -2]) for sequence in rows.sequences]
+            blocks = generator.draft(rows.root_tokens, rows.root_positions, pending,
+                                     max_depth=min(max(remaining), budget) - 1, prev_tokens=prev_tokens)
+            pending = None
+            capped = [(tokens[: budget - 1], log_probs[: budget - 1]) if tokens else None
+                      for tokens, log_probs in branches]
+            trees = generator.build_trees(blocks, budget, capped)
+        drafted = step_kind == "draft"
+        if auto_budget is not None and drafted:
+            if device.type == "cuda":
+                torch.cuda.synchronize(device)
+            width, predicted = auto_budget.choose(trees, time.perf_counter() - drafting_started, share=sync.share_int)
+            trees = [tree.prefix(min(width, tree.size)) for tree in trees]
+        batch = TreeBatch.pack(trees)
+
+        # ---- verify -> accept ----
+        past_len = cache.get_seq_length()
+        logits, hidden_states = verify_trees(target, batch, cache, rows.root_positions, key_valid, layer_ids, device)
+        accepted = accept_all(batch, logits, rows, process, do_sample, sync)
+        for (tokens, _), ngram, result in zip(branches, ngrams, accepted):
+            if tokens:
+                lookup_rates.observe(ngram, tokens, result.tokens)
+        accepted_lengths = [len(result.path) for result in accepted]
+        schedule.observe(step_kind, time.perf_counter() - drafting_started, accepted_lengths, branch_expected)
+        if auto_budget is not None and drafted:
+            auto_budget.observe(predicted, sum(accepted_lengths))
+
+        # ---- emit, then commit: each row keeps its root and accepted nodes in both caches ----
+        finished = [False] * num_rows
+        for row, (tree, result) in enumerate(zip(trees, accepted)):
+            row_stats = stats[rows.ids[row]]
+            row_stats.accepted_lengths.append(len(result.path))
+            row_stats.tree_sizes.append(tree.size)
+            row_stats.expected_accepted_lengths.append(tree.expected_accepted_len)
+            row_stats.step_kinds.append(step_kind)
+            for token, token_scores, node in zip(result.tokens, result.scores, result.visited):
+                if emit(row, token, token_scores, logits[row, node : node + 1]):
+                    finished[row] = True
+                    break
+        if all(finished):
+            continue  # every row leaves: nothing to commit
+        kept_counts = [1 + len(result.path) for result in accepted]
+        num_kept = max(kept_counts)
+        kept_nodes = torch.tensor([[0] + result.path + [result.path[-1] if result.path else 0] * (num_kept - count)
+                                   for result, count in zip(accepted, kept_counts)])  # [R, K], padded
+        kept_valid = torch.arange(num_kept)[None] < torch.tensor(kept_counts)[:, None]  # [R, K]
+        compact_cache(cache, past_len, kept_nodes)
+        if key_valid is not None or not bool(kept_valid.all()):
+            past_valid = key_valid if key_valid is not None else torch.ones(num_rows, past_len, dtype=torch.bool)
+            key_valid = torch.cat([past_valid, kept_valid], dim=1)
+        kept = DraftContext(generator.context_features(hidden_states, kept_nodes),
+                            rows.root_positions[:, None] + batch.depths.gather(1, kept_nodes),
+                            None if bool(kept_valid.all()) else kept_valid)
+        pending = kept if pending is None else join_contexts(pending, kept)
+        rows.root_positions = rows.root_positions + torch.tensor(kept_counts)
+        rows.root_tokens = [result.tokens[-1] for result in accepted]
+        key_valid = repack(cache, key_valid)
+        generator.repack()
+
+    if streamer is not None:
+        streamer.end()
+    pad_token_id = generation_config.pad_token_id
+    width = max(sequence.shape[0] for sequence in results)
+    sequences = torch.stack([
+        torch.cat([sequence, sequence.new_full((width - sequence.shape[0],), pad_token_id or 0)])
+        for sequence in results
+    ])
+    if not return_dict:
+        return sequences
+    pooled = TreeFlashStats.pooled(stats)
+    return TreeFlashGenerateOutput(
+        sequences=sequences,
+        scores=positionwise(scores, width - input_ids.shape[1]) if keep_scores else None,
+        logits=positionwise(raw_logits, width - input_ids.shape[1]) if keep_logits else None,
+        cache=cache,
+        accepted_lengths=pooled.accepted_lengths,
+        tree_sizes=pooled.tree_sizes,
+        expected_accepted_lengths=pooled.expected_accepted_lengths,
+        step_kinds=pooled.step_kinds,
+        tau=pooled.tau,
+        per_row=stats,
+        tau_per_row=[row.tau for row in stats],
+    )
+
+
+def join_contexts(first: DraftContext, second: DraftContext) -> DraftContext:
+    """Context features of `first`'s positions followed by `second`'s, per row (validity kept)."""
+    def valid(context: DraftContext) -> torch.BoolTensor:
+        if context.valid is not None:
+            return context.valid
+        return torch.ones(context.positions.shape, dtype=torch.bool)
+
+    both_valid = first.valid is None and second.valid is None
+    return DraftContext(torch.cat([first.features, second.features], dim=1),
+                        torch.cat([first.positions, second.positions], dim=1),
+                        None if both_valid else torch.cat([valid(first), valid(second)], dim=1))
+
+
+def positionwise(per_row: list[list[torch.Tensor]], length: int) -> tuple[torch.Tensor, ...]:
+    """Per-row lists of `[1, V]` tensors (one per new token) -> one `[B, V]` tensor per new-token position, like
+    `generate()`'s `scores` (a row that had finished contributes zeros)."""
+    template = next(t for row in per_row for t in row)
+    return tuple(
+        torch.cat([row[i] if i < len(row) else torch.zeros_like(template) for row in per_row])
+        for i in range(length)
+    )
+
+
+def treeflash_generate(
+    target,
+    drafter,
+    input_ids: torch.LongTensor,
+    attention_mask: torch.LongTensor | None = None,
+    max_new_tokens: int = 128,
+    eos_token_id: int | list[int] | None = None,
+    pad_token_id: int | None = None,
+    do_sample: bool = False,
+    temperature: float = 1.0,
+    top_p: float = 1.0,
+    top_k: int = 0,
+    streamer=None,
+    stopping_criteria: StoppingCriteriaList | None = None,
+    candidate_generator: TreeFlashCandidateGenerator | None = None,
+    **tree_options,
+) -> TreeFlashGenerateOutput:
+    """Plain-function API (no `generate()`): TreeFlash-decode the left-padded batch `input_ids [B, S]`
+    (`attention_mask [B, S]` marks the padding; a batch needs `pad_token_id` for rows that finish first).
+
+    `tree_options` are `tree_mode`, `tree_budget`, `tree_top_m`, `tree_top_k`, `tree_lookup` (defaults from the
+    drafter); `stopping_criteria` are checked after every token, like `generate()`'s.
+    Returns a `TreeFlashGenerateOutput` with `sequences [B, S + new]` and the per-step statistics.
+    """
+    unknown = set(tree_options) - set(OPTION_NAMES)
+    if unknown:
+        raise TypeError(f"Unknown options {sorted(unknown)}; tree options are {OPTION_NAMES}.")
+    processors = LogitsProcessorList()
+    if do_sample:
+        if temperature != 1.0:
+            processors.append(TemperatureLogitsWarper(temperature))
+        if top_k:
+            processors.append(TopKLogitsWarper(top_k))
+        if top_p < 1.0:
+            processors.append(TopPLogitsWarper(top_p))
+    criteria = StoppingCriteriaList([MaxLengthCriteria(input_ids.shape[1] + max_new_tokens)])
+    criteria.extend(stopping_criteria or [])
+    if eos_token_id is not None:
+        criteria.append(EosTokenCriteria(eos_token_id))
+    sampling = {"temperature": temperature, "top_k": top_k, "top_p": top_p} if do_sample else {}
+    config = GenerationConfig(
+        do_sample=do_sample, max_length=input_ids.shape[1] + max_new_tokens, return_dict_in_generate=True,
+        pad_token_id=pad_token_id, **sampling
+    )
+    options = TreeOptions.resolve(drafter, tree_options)
+    return treeflash_decode(
+        target,
+        input_ids,
+        processors,
+        criteria,
+        config,
+        drafter=drafter,
+        options=options,
+        streamer=streamer,
+        candidate_generator=candidate_generator,
+        attention_mask=attention_mask,
+        position_ids=None if attention_mask is None else (attention_mask.cumsum(-1) - 1).clamp(min=0),
+    )
+
+
+@contextlib.contextmanager
+def tree_attention_backend(target):
+    """Switch a target whose attention backend cannot take tree masks (flash attention) to SDPA for the call."""
+    original = target.config._attn_implementation
+    if original in TREE_MASK_BACKENDS:
+        yield
+        return
+    try:
+        target.set_attn_implementation("sdpa")
+    except Exception as err:  # the model has no SDPA path
+        raise TreeFlashInputError(
+            f"The target uses attn_implementation={original!r}, which cannot take a tree attention mask, and it "
+            "cannot switch to 'sdpa'. Load it with attn_implementation='eager'."
+        ) from err
+    logger.warning("TreeFlash: attn_implementation=%r cannot take tree masks; using 'sdpa' for this call.", original)
+    try:
+        yield
+    finally:
+        target.set_attn_implementation(original)
+
+
+_STOCK_GENERATE = GenerationMixin.generate
+
+
+def _wants_stock_dflash(target, kwargs: dict) -> bool:
+    if kwargs.get("speculation_type") is not None:
+        return kwargs["speculation_type"] == "dflash"
+    config = kwargs.get("generation_config") or target.generation_config
+    return getattr(config, "speculation_type", None) == "dflash"
+
+
+def route_generate(stock_generate, model, *args, assistant_model=None, **kwargs):
+    """Run `stock_generate` (transformers' `generate`), handing decoding to TreeFlash when `assistant_model` is a
+    TreeFlash drafter (unless `speculation_type="dflash"` asks for transformers' own linear DFlash loop).
+    Extra keyword arguments `tree_mode`, `tree_budget`, `tree_top_m`, `tree_top_k` override the drafter's
+    `generation_config`. Shared by the installed hook and the Hub repo's `custom_generate/generate.py`."""
+    tree_overrides = {name: kwargs.pop(name) for name in OPTION_NAMES if name in kwargs}
+    if not is_treeflash_drafter(assistant_model) or _wants_stock_dflash(model, kwargs):
+        if tree_overrides:
+            raise TypeError(
+                f"{sorted(tree_overrides)} apply only to TreeFlash decoding: pass a TreeFlash drafter as "
+                "`assistant_model` (and no `speculation_type='dflash'`)."
+            )
+        return stock_generate(model, *args, assistant_model=assistant_model, **kwargs)
+    if kwargs.get("custom_generate") is not None:
+        raise TypeError("`custom_generate` cannot be combined with a TreeFlash drafter as `assistant_model`.")
+    kwargs.pop("custom_generate", None)
+    move_stop_strings_to_criteria(model, kwargs)
+    inputs = args[0] if args else kwargs.get("inputs", kwargs.get("input_ids"))
+    if kwargs.get("streamer") is not None and inputs is not None and inputs.dim() == 2 and inputs.shape[0] > 1:
+        check_inputs(model, inputs, streamer=kwargs["streamer"])  # before generate() streams the prompt
+    options = TreeOptions.resolve(assistant_model, tree_overrides)
+    check_pair(model, assistant_model)
+    decoding = functools.partial(
+        treeflash_decode, drafter=assistant_model, options=options, streamer=kwargs.get("streamer")
+    )
+    with tree_attention_backend(model):
+        return stock_generate(model, *args, custom_generate=decoding, **kwargs)
+
+
+def move_stop_strings_to_criteria(model, kwargs: dict) -> None:
+    """Turn `stop_strings` (an argument or the generation config's) into a `StopStringCriteria` in
+    `kwargs["stopping_criteria"]`, in place. `generate()` drops `tokenizer` when decoding runs through a callable
+    `custom_generate` (it keeps only the callable's own extra parameters), and then fails to build that criterion
+    itself; building it here, from the `tokenizer` the caller gave, keeps `stop_strings` working."""
+    tokenizer = kwargs.pop("tokenizer", None)
+    config = kwargs.get("generation_config") or model.generation_config
+    stop_strings = kwargs.get("stop_strings", getattr(config, "stop_strings", None))
+    if not stop_strings:
+        return
+    if tokenizer is None:
+        raise TreeFlashInputError(
+            "There are stop strings (an argument of generate() or in the generation config) but no tokenizer: pass "
+            "the model's tokenizer as `tokenizer=` to generate()."
+        )
+    criteria = StoppingCriteriaList(kwargs.get("stopping_criteria") or [])
+    criteria.append(StopStringCriteria(tokenizer=tokenizer, stop_strings=stop_strings))
+    kwargs["stopping_criteria"] = criteria
+    # already a criterion: generate() must not build it again
+    if "stop_strings" in kwargs or kwargs.get("generation_config") is None:
+        kwargs["stop_strings"] = None
+    else:
+        kwargs["generation_config"] = copy.deepcopy(config)
+        kwargs["generation_config"].stop_strings = None
+
+
+@functools.wraps(_STOCK_GENERATE)
+def generate(self, *args, assistant_model=None, **kwargs):
+    """`GenerationMixin.generate`, routed to TreeFlash decoding when `assistant_model` is a TreeFlash drafter
+    (see `route_generate`)."""
+    return route_generate(_STOCK_GENERATE, self, *args, assistant_model=assistant_model, **kwargs)
+
+
+def install_generate_hook() -> None:
+    """Route `generate(assistant_model=<TreeFlash drafter>)` to TreeFlash decoding (idempotent)."""
+    GenerationMixin.generate = generate

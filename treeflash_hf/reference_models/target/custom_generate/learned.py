@@ -1,0 +1,84 @@
+"""What the decoding loop learns as it runs, kept across `generate()` calls for the same drafter and target.
+
+The lookup branch's acceptance rates (`LookupRates`), each step kind's measured time and yield
+(`StepScheduler`) and, under `tree_budget="auto"`, the drafter's calibration and drafting-cost fit
+(`AutoBudget`) are properties of the pair on this device under these decoding settings, not of one prompt. A
+100-token call has ~40 steps, too few to learn them afresh each time, so they carry over to the next call
+(transformers' assisted generation likewise carries its assistant's `num_assistant_tokens` across calls). They
+only decide what is verified, never what is emitted: the output stays the target's own either way.
+
+The state lives on the drafter object, per target and per (target and drafter dtype and device, torch thread
+count, tree options, sampling settings, calling thread): concurrent `generate()` calls from several threads never
+share it, so they cannot race on it. `forget_learned_state(drafter)` drops it.
+"""
+
+from __future__ import annotations
+
+import threading
+import weakref
+from dataclasses import dataclass
+
+import torch
+from transformers import GenerationConfig
+
+from .budget import AutoBudget, verify_cost_curve
+from .lookup import LookupRates, StepScheduler
+from .options import TreeOptions
+
+_ATTRIBUTE = "_treeflash_learned"
+
+
+@dataclass
+class LearnedState:
+    """`lookup_rates`: the lookup branch's acceptance rates; `schedule`: which kind each step verifies;
+    `auto_budget`: per-step prefix choice under `tree_budget="auto"` (None for a fixed budget)."""
+
+    lookup_rates: LookupRates
+    schedule: StepScheduler
+    auto_budget: AutoBudget | None
+
+
+class _StatesPerTarget(weakref.WeakKeyDictionary):
+    """target -> {settings key: LearnedState}. A target that is freed takes its states with it. Deep copies and
+    pickles of the drafter (`copy.deepcopy`, `torch.save`) start afresh instead of copying the targets."""
+
+    def __reduce__(self):
+        return (_StatesPerTarget, ())
+
+    def __copy__(self) -> "_StatesPerTarget":
+        return _StatesPerTarget()
+
+    def __deepcopy__(self, memo) -> "_StatesPerTarget":
+        return _StatesPerTarget()
+
+
+def learned_state(drafter, target, options: TreeOptions, generation_config: GenerationConfig,
+                  sync=None) -> LearnedState:
+    """The state for decoding `target` with `drafter` under `options` and `generation_config`'s sampling
+    settings, created on first use (`sync`: see `budget.verify_cost_curve`)."""
+    per_target = getattr(drafter, _ATTRIBUTE, None)
+    if per_target is None:
+        per_target = _StatesPerTarget()
+        object.__setattr__(drafter, _ATTRIBUTE, per_target)
+    sampling = (
+        (generation_config.temperature, generation_config.top_k, generation_config.top_p)
+        if generation_config.do_sample
+        else None
+    )
+    devices = (str(target.dtype), str(target.device), str(drafter.dtype), str(drafter.device))
+    key = (devices, torch.get_num_threads(), options, sampling, threading.get_ident())
+    states = per_target.setdefault(target, {})
+    if key not in states:
+        auto = options.tree_budget == "auto"
+        states[key] = LearnedState(
+            lookup_rates=LookupRates(),
+            schedule=StepScheduler(allow_plain=auto),
+            auto_budget=AutoBudget(verify_cost_curve(target, sync=sync)) if auto else None,
+        )
+    return states[key]
+
+
+def forget_learned_state(drafter) -> None:
+    """Drop what decoding with `drafter` has learned (every target): the next call starts afresh."""
+    if getattr(drafter, _ATTRIBUTE, None) is not None:
+        object.__setattr__(drafter, _ATTRIBUTE, None)
