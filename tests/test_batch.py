@@ -55,16 +55,16 @@ def pair(request):
 def test_greedy_rows_match_single_row_decoding(pair, rows):
     target, drafter = pair
     prompts = random_prompts(seed=rows, count=rows)
-    references = [target.generate(torch.tensor([p]), max_new_tokens=20, do_sample=False)[0, len(p):].tolist()
+    references = [target.generate(torch.tensor([p]), max_new_tokens=16, do_sample=False)[0, len(p):].tolist()
                   for p in prompts]
     ids, mask = left_pad(prompts)
     for budget in (1, 4, 16, 64, "auto"):
         for lookup in (0, 6):
             forget_learned_state(drafter)
-            out = target.generate(ids, attention_mask=mask, assistant_model=drafter, max_new_tokens=20,
+            out = target.generate(ids, attention_mask=mask, assistant_model=drafter, max_new_tokens=16,
                                   do_sample=False, tree_budget=budget, tree_lookup=lookup,
                                   return_dict_in_generate=True)
-            assert out.sequences.shape == (rows, ids.shape[1] + 20)
+            assert out.sequences.shape == (rows, ids.shape[1] + 16)
             for row, prompt in enumerate(prompts):
                 assert torch.equal(out.sequences[row, : ids.shape[1]], ids[row])  # the padded prompt, as given
                 assert_same_or_tie(target, prompt, out.sequences[row, ids.shape[1]:].tolist(), references[row])

@@ -124,6 +124,24 @@ def test_tie_tolerance_follows_the_dtype():
     assert tie_tolerance(torch.float32, 16.0) == 1e-5  # float32: the 1e-5 threshold of the tests
 
 
+def test_divergence_gap_is_taken_on_the_scores_decoding_used(models):
+    """With a logits processor (the demo's repetition penalty), a near-tie is judged on the processed scores, as
+    plain decoding chose on them, not on the raw logits."""
+    from transformers import LogitsProcessorList
+
+    from treeflash_hf.bench import first_divergence_gap, tie_tolerance
+
+    target = models[0]
+    vocab = target.config.vocab_size
+    prompt = torch.tensor([5, 6, 7])
+    raw_gap, _ = first_divergence_gap(target, prompt, [1, 2], [1, 3])
+    # a processor whose scores are 0.5 apart at the top: the gap must be that, whatever the raw logits were
+    flat = LogitsProcessorList([lambda ids, scores: torch.arange(vocab, dtype=scores.dtype)[None] * 0.5])
+    gap, tolerance = first_divergence_gap(target, prompt, [1, 2], [1, 3], flat)
+    assert gap == pytest.approx(0.5) and gap != pytest.approx(raw_gap)
+    assert tolerance == tie_tolerance(torch.float32, (vocab - 1) * 0.5)  # at the processed top score
+
+
 def test_prompt_files(tmp_path):
     good = tmp_path / "p.jsonl"
     good.write_text('{"prompt": "a"}\n\n{"prompt": "b"}\n')

@@ -61,6 +61,14 @@ def test_bundled_target_is_a_treeflash_folder_with_the_package_engine():
             f"the bundled target's custom_generate/{name} differs from {source.name}; refresh it: {REFRESH}")
 
 
+def stop_string_inside(plain, tokenizer, inputs) -> str:
+    """Four characters from the middle of the plain target's 64-token greedy continuation: a stop string that is
+    sure to stop it early, whatever the bundled target writes."""
+    continuation = plain.generate(**inputs, max_new_tokens=64, do_sample=False)[0, inputs["input_ids"].shape[1]:]
+    text = tokenizer.decode(continuation)
+    return text[len(text) // 2 : len(text) // 2 + 4]
+
+
 def test_only_trust_remote_code_turns_treeflash_on(models):
     fast, plain, _ = models
     assert "generate" in fast.__dict__  # custom_generate/generate.py replaced model.generate
@@ -88,10 +96,12 @@ def test_streamer_stop_strings_and_sampling_are_honoured(models):
     streamer = TextIteratorStreamer(tokenizer, skip_prompt=True)
     out = fast.generate(**inputs, max_new_tokens=32, do_sample=False, streamer=streamer)
     assert "".join(streamer) == tokenizer.decode(out[0, inputs["input_ids"].shape[1]:])
-    stopped = fast.generate(**inputs, max_new_tokens=64, do_sample=False, stop_strings=["\n\n"], tokenizer=tokenizer)
-    assert torch.equal(stopped, plain.generate(**inputs, max_new_tokens=64, do_sample=False, stop_strings=["\n\n"],
+    stop = stop_string_inside(plain, tokenizer, inputs)
+    stopped = fast.generate(**inputs, max_new_tokens=64, do_sample=False, stop_strings=[stop], tokenizer=tokenizer)
+    assert torch.equal(stopped, plain.generate(**inputs, max_new_tokens=64, do_sample=False, stop_strings=[stop],
                                                tokenizer=tokenizer))
-    assert "\n\n" in tokenizer.decode(stopped[0, inputs["input_ids"].shape[1]:])
+    assert stopped.shape[1] < inputs["input_ids"].shape[1] + 64  # the stop string did stop it
+    assert stop in tokenizer.decode(stopped[0, inputs["input_ids"].shape[1]:])
     torch.manual_seed(0)
     sampled = fast.generate(**inputs, max_new_tokens=16, do_sample=True, temperature=0.8, top_p=0.9, top_k=50,
                             return_dict_in_generate=True)
@@ -124,9 +134,11 @@ def test_pipeline(models):
     out = generator(PROMPT, max_new_tokens=24, do_sample=False, return_full_text=False)
     assert out[0]["generated_text"] == plain_text(max_new_tokens=24)
     assert DRAFTER_ATTRIBUTE in generator.model.__dict__  # it ran TreeFlash
-    stopped = generator(PROMPT, max_new_tokens=64, do_sample=False, return_full_text=False, stop_sequence="\n\n")
-    expected = plain_text(max_new_tokens=64, stop_strings=["\n\n"], tokenizer=tokenizer)
-    assert stopped[0]["generated_text"] == expected and "\n\n" in expected
+    stop = stop_string_inside(plain, tokenizer, inputs)
+    stopped = generator(PROMPT, max_new_tokens=64, do_sample=False, return_full_text=False, stop_sequence=stop)
+    expected = plain_text(max_new_tokens=64, stop_strings=[stop], tokenizer=tokenizer)
+    assert stopped[0]["generated_text"] == expected and stop in expected
+    assert len(expected) < len(plain_text(max_new_tokens=64))
 
 
 def test_package_blocked_from_import_still_decodes_with_treeflash(models, tmp_path):

@@ -142,10 +142,9 @@ def test_target_split_by_a_device_map(tmp_path):
     assert all(hasattr(layer, "_hf_hook") for layer in split.model.layers)
     ids, mask = left_pad(PROMPTS, 0)
     expected = single_process_greedy(target, 0)
-    for budget in (8, "auto"):
-        out = split.generate(ids, attention_mask=mask, assistant_model=drafter, max_new_tokens=NEW_TOKENS,
-                             do_sample=False, tree_budget=budget, tree_lookup=6, pad_token_id=0)
-        assert out[:, ids.shape[1]:].tolist() == expected, budget
+    out = split.generate(ids, attention_mask=mask, assistant_model=drafter, max_new_tokens=NEW_TOKENS,
+                         do_sample=False, tree_budget=8, tree_lookup=6, pad_token_id=0)
+    assert out[:, ids.shape[1]:].tolist() == expected
 
 
 if __name__ == "__main__":

@@ -39,6 +39,21 @@ def test_greedy_treeflash_is_identical_and_accepts(suite):
         assert out.tau > 1.2, (mode, out.tau)  # a trained drafter really is accepted
 
 
+def test_target_folder_carries_its_tokenizer(suite):
+    """`AutoTokenizer.from_pretrained(target_dir)` is the pair's tokenizer (a folder without tokenizer files would
+    give one that encodes everything to [])."""
+    from transformers import AutoTokenizer
+
+    _, _, tokenizer, _ = suite
+    own = AutoTokenizer.from_pretrained(reference.BUNDLED_DIR / "target")
+    text = "def main():\n    return 0\n"
+    ids = own(text)["input_ids"]
+    assert ids and ids == tokenizer(text)["input_ids"]
+    assert own.decode(ids) == text
+    assert (own.pad_token_id, own.eos_token_id, own.mask_token_id) == (
+        tokenizer.pad_token_id, tokenizer.eos_token_id, tokenizer.mask_token_id)
+
+
 def test_reference_drafter_publishes_and_loads_without_the_package(suite, tmp_path):
     target, drafter, tokenizer, _ = suite
     folder = prepare_repo(reference.BUNDLED_DIR / "drafter", tmp_path / "repo", "local/treeflash-reference",
@@ -72,3 +87,44 @@ def test_bundled_remote_code_is_the_package_source():
     for name in ("modeling_treeflash_drafter.py", "configuration_treeflash_drafter.py"):
         bundled = reference.BUNDLED_DIR / "drafter" / name
         assert bundled.read_text() == (source_dir / name).read_text(), f"re-save the bundled drafter: {name} drifted"
+
+
+HELD_OUT = ["def read_config(path):\n    with open(path) as handle:\n",
+            "class Stack:\n    def __init__(self):\n        self.items = []\n\n    def push(self, item):\n",
+            "import os\n\n\ndef list_files(root):\n    \"\"\"Return every file below root.\"\"\"\n"]
+
+
+def test_batched_rows_equal_single_row_decoding_exactly(suite):
+    """float32, a left-padded batch of code prompts: every row equals that prompt decoded alone, token for token
+    (no tie allowance on the bundled pair)."""
+    target, drafter, tokenizer, _ = suite
+    singles = [tokenizer(prompt, return_tensors="pt") for prompt in HELD_OUT]
+    expected = [target.generate(**single, max_new_tokens=40, do_sample=False)[0, single["input_ids"].shape[1]:]
+                for single in singles]
+    tokenizer.padding_side = "left"
+    batch = tokenizer(HELD_OUT, padding=True, return_tensors="pt")
+    for budget in (4, "auto"):
+        out = target.generate(**batch, assistant_model=drafter, max_new_tokens=40, do_sample=False,
+                              tree_budget=budget, return_dict_in_generate=True)
+        width = batch["input_ids"].shape[1]
+        for row, reference in enumerate(expected):
+            assert out.sequences[row, width : width + len(reference)].tolist() == reference.tolist(), (budget, row)
+        assert out.tau > 1.2
+
+
+def test_run_dtype_divergences_are_near_ties():
+    """In the pair's run dtype (bfloat16), rounding differs between verifying a tree and decoding one token, so a
+    speculative output may leave plain decoding where the target's top two logits are within that dtype's
+    rounding. Every divergence must be such a near-tie, never a real disagreement."""
+    from treeflash_hf.bench import Identity, compare
+
+    target, drafter, tokenizer = reference.load()  # the stored dtype
+    identity = Identity()
+    for prompt in HELD_OUT:
+        inputs = tokenizer(prompt, return_tensors="pt")
+        width = inputs["input_ids"].shape[1]
+        plain = target.generate(**inputs, max_new_tokens=40, do_sample=False)[0, width:].tolist()
+        fast = target.generate(**inputs, assistant_model=drafter, max_new_tokens=40, do_sample=False)
+        compare(identity, target, inputs["input_ids"][0], plain, fast[0, width:].tolist())
+    assert identity.other == 0, identity
+    assert identity.identical + identity.near_ties == len(HELD_OUT)

@@ -231,3 +231,14 @@ def test_shards_split_every_batch_exactly_once():
             rows = [list(range(batch_size))[Shard(index, count).rows(batch_size)] for index in range(count)]
             assert sum(rows, []) == list(range(batch_size))
             assert max(map(len, rows)) - min(map(len, rows)) <= 1
+
+
+def test_anchors_fall_where_the_loss_mask_counts():
+    mask = torch.zeros(3, 41)
+    mask[0, 30:] = 1  # a response from position 30
+    mask[2, 5:12] = 1
+    anchors = sample_anchors(3, 40, 4, 64, torch.Generator().manual_seed(0), mask)
+    assert anchors.shape == (3, 64)
+    assert bool(((anchors[0] >= 29) & (anchors[0] <= 36)).all())  # the first drafted token (a + 1) is in it
+    assert bool(((anchors[2] >= 4) & (anchors[2] <= 10)).all())
+    assert bool(((anchors[1] >= 1) & (anchors[1] <= 36)).all()) and anchors[1].unique().numel() > 10  # no mask: all

@@ -119,12 +119,13 @@ class Measurement:
 class Identity:
     """Rows compared with the target's own batch-1 greedy output: identical ones, ones that first differ at a
     near-tie of the target (top-2 logit gap within `tie_tolerance` of the run's dtype; `tie_gaps` lists those
-    gaps), and ones that differ elsewhere (a lossless method has none)."""
+    gaps), and ones that differ elsewhere (a lossless method has none; `other_gaps` lists (gap, tolerance) there)."""
 
     identical: int = 0
     near_ties: int = 0
     other: int = 0
     tie_gaps: list[float] = field(default_factory=list)
+    other_gaps: list[tuple[float, float]] = field(default_factory=list)
 
     @property
     def verdict(self) -> str:
@@ -140,14 +141,18 @@ def tie_tolerance(dtype: torch.dtype, magnitude: float) -> float:
     return max(1e-5, 2 * ulp)
 
 
-def first_divergence_gap(target, prompt_ids: torch.LongTensor, expected: list[int], got: list[int]) -> tuple[float,
-                                                                                                        float]:
-    """(gap, tolerance) at the first new token where `got` leaves `expected`: the target's top-2 logit gap there,
-    computed as plain decoding does (batch 1, the same dtype), and the tie tolerance of that dtype."""
+def first_divergence_gap(target, prompt_ids: torch.LongTensor, expected: list[int], got: list[int],
+                         logits_processor=None) -> tuple[float, float]:
+    """(gap, tolerance) at the first new token where `got` leaves `expected`: the target's top-2 score gap there,
+    computed as plain decoding does (batch 1, the same dtype, then `logits_processor` if decoding used one, e.g. a
+    repetition penalty), and the tie tolerance of that dtype."""
     index = next((i for i, (a, b) in enumerate(zip(expected, got)) if a != b), min(len(expected), len(got)))
     ids = torch.cat([prompt_ids, prompt_ids.new_tensor(expected[:index])])[None]
     with torch.no_grad():
-        top2 = target(ids).logits[0, -1].float().topk(2).values
+        scores = target(ids).logits[:, -1].float()
+        if logits_processor is not None:
+            scores = logits_processor(ids, scores)
+    top2 = scores[0].topk(2).values
     return float(top2[0] - top2[1]), tie_tolerance(target.dtype, float(top2[0]))
 
 
@@ -241,7 +246,8 @@ def summarize(per_repeat: list[Measurement], reference: list[Measurement] | None
         row.update(speedup=statistics.median(speedups), speedup_min=min(speedups), speedup_max=max(speedups))
     if identity is not None:
         row.update(identical_to_autoregressive=identity.verdict, identical_rows=identity.identical,
-                   near_tie_rows=identity.near_ties, divergent_rows=identity.other, tie_gaps=identity.tie_gaps)
+                   near_tie_rows=identity.near_ties, divergent_rows=identity.other, tie_gaps=identity.tie_gaps,
+                   divergent_gaps=identity.other_gaps)
     return row
 
 
@@ -338,6 +344,7 @@ def compare(identity: Identity, target, prompt_ids: torch.LongTensor, expected: 
         identity.tie_gaps.append(gap)
     else:
         identity.other += 1
+        identity.other_gaps.append((gap, tolerance))
 
 
 def print_table(report: dict) -> None:

@@ -8,13 +8,16 @@ import statistics
 import time
 
 import torch
-from transformers import TextStreamer
+from transformers import RepetitionPenaltyLogitsProcessor, TextStreamer
 
 from .cli import non_negative_int, positive_int, tree_budget
 
 DEFAULT_PROMPT = (
-    "def merge_intervals(intervals):\n"
-    '    """Merge overlapping (start, end) intervals and return them sorted."""\n'
+    "class Stack:\n"
+    '    """A last-in, first-out stack."""\n\n'
+    "    def __init__(self):\n"
+    "        self.items = []\n\n"
+    "    def push(self, item"
 )
 
 
@@ -54,7 +57,11 @@ def run(args: argparse.Namespace) -> int:
     inputs = tokenizer(args.prompt, return_tensors="pt")
     knobs = {"tree_mode": args.mode, "tree_budget": args.tree_budget, "tree_lookup": args.tree_lookup}
     knobs = {k: v for k, v in knobs.items() if v is not None}
-    common = dict(max_new_tokens=args.max_new_tokens, do_sample=False, pad_token_id=tokenizer.pad_token_id)
+    # a mild repetition penalty keeps a small model's greedy text from looping (a logits processor: TreeFlash applies
+    # it at every node, so the output is still exactly plain generate()'s)
+    common = dict(max_new_tokens=args.max_new_tokens, do_sample=False, pad_token_id=tokenizer.pad_token_id,
+                  repetition_penalty=args.repetition_penalty)
+    penalty = RepetitionPenaltyLogitsProcessor(args.repetition_penalty) if args.repetition_penalty != 1.0 else None
     runs = {"TreeFlash, drafter alone": {**knobs, "tree_lookup": 0}, "TreeFlash, defaults": knobs}
     with torch.no_grad():
         # warm every path up, so that none pays first-call costs in the comparison (and what TreeFlash learns about
@@ -86,7 +93,7 @@ def run(args: argparse.Namespace) -> int:
         verdict = "yes"
         if not same:
             expected, got = plain[0, width:].tolist(), out.sequences[0, width:].tolist()
-            gap, tolerance = first_divergence_gap(target, inputs["input_ids"][0], expected, got)
+            gap, tolerance = first_divergence_gap(target, inputs["input_ids"][0], expected, got, penalty)
             tie = gap <= tolerance
             verdict = f"near-tie (top-2 gap {gap:.3g} <= {tolerance:.3g})" if tie else f"NO (top-2 gap {gap:.3g})"
             all_same &= tie
@@ -103,7 +110,9 @@ def add_parser(subparsers) -> None:
     parser.add_argument("--target", help="target model folder (default: the bundled reference target)")
     parser.add_argument("--drafter", help="drafter folder (default: the bundled reference drafter)")
     parser.add_argument("--tokenizer", help="tokenizer folder (default: the target's)")
-    parser.add_argument("--max-new-tokens", type=positive_int, default=160)
+    parser.add_argument("--max-new-tokens", type=positive_int, default=128)
+    parser.add_argument("--repetition-penalty", type=float, default=1.2,
+                        help="greedy decoding's repetition penalty, for every method alike (1.0 = none)")
     parser.add_argument("--mode", choices=["chain", "marginal_tree", "treeflash"])
     parser.add_argument("--tree-budget", type=tree_budget, help='an integer >= 1 or "auto"')
     parser.add_argument("--tree-lookup", type=non_negative_int,

@@ -99,32 +99,88 @@ class TreeFlashGenerateOutput(GenerateDecoderOnlyOutput):
 
 
 class Rows:
-    """The working batch: per-row state of the rows still decoding, in batch order. Rows that finish leave it
-    (`keep`), and every batched tensor (caches, masks, pending context) is narrowed with them.
+    """The working batch: the state of the rows still decoding, in batch order. Rows that finish leave it
+    (`leave`), and every batched tensor (caches, masks, pending context) is narrowed with them.
 
     ids: original row indices; sequences: per row `[1, S + new]` (the padded prompt, then its new tokens); pads:
-    left padding per row; root_tokens: the committed token the next step verifies first (not yet run by the
-    target); root_positions: `[R]` its position (the row's own count of real tokens before it)."""
+    left padding per row; root_tokens: per row the committed token the next step verifies first (not yet run by the
+    target); root_positions: `[R]` its position (the row's own count of real tokens before it); key_valid: `[R, L]`
+    the target-cache slots each row may attend (None: all); pending: the context features the drafter has not seen
+    yet (`DraftContext`), joined with each step's kept positions until the next draft."""
 
-    def __init__(self, input_ids: torch.LongTensor, pads: list[int], root_positions: torch.LongTensor):
+    def __init__(self, input_ids: torch.LongTensor, key_valid: torch.BoolTensor | None,
+                 root_positions: torch.LongTensor, pending: DraftContext):
         self.ids = list(range(input_ids.shape[0]))
         self.sequences = [input_ids[row : row + 1] for row in self.ids]
-        self.pads = pads
+        self.pads = [0] * len(self.ids) if key_valid is None else (~key_valid).sum(dim=1).tolist()
         self.root_tokens: list[int] = []
         self.root_positions = root_positions
+        self.key_valid = key_valid
+        self.pending: DraftContext | None = pending
 
     def __len__(self) -> int:
         return len(self.ids)
 
-    def keep(self, keep: list[int]) -> None:
-        self.ids = [self.ids[i] for i in keep]
-        self.sequences = [self.sequences[i] for i in keep]
-        self.pads = [self.pads[i] for i in keep]
-        self.root_tokens = [self.root_tokens[i] for i in keep]
-        self.root_positions = self.root_positions[keep]
+    def leave(self, finished: list[bool], cache, generator: TreeFlashCandidateGenerator) -> dict[int, torch.Tensor]:
+        """Drop the finished rows from the batch and from both caches; returns their sequences by original id."""
+        done = {self.ids[row]: self.sequences[row][0] for row, flag in enumerate(finished) if flag}
+        keep = [row for row, flag in enumerate(finished) if not flag]
+        if keep and done:
+            index = torch.tensor(keep)
+            select_rows(cache, index)
+            generator.select_rows(index)
+            self.ids = [self.ids[i] for i in keep]
+            self.sequences = [self.sequences[i] for i in keep]
+            self.pads = [self.pads[i] for i in keep]
+            self.root_tokens = [self.root_tokens[i] for i in keep]
+            self.root_positions = self.root_positions[index]
+            self.key_valid = None if self.key_valid is None else self.key_valid[index]
+            pending = self.pending
+            self.pending = DraftContext(pending.features[index.to(pending.features.device)], pending.positions[index],
+                                        None if pending.valid is None else pending.valid[index])
+        elif not keep:
+            self.ids = []
+        return done
+
+    def commit(self, accepted: list[Acceptance], trees: TreeBatch, hidden_states: tuple, cache, past_len: int,
+               generator: TreeFlashCandidateGenerator) -> None:
+        """Stage 6: each row keeps its root and accepted nodes in the target cache (one row-wise gather; a row that
+        keeps fewer marks its extra slots invalid) and queues their context features for the drafter."""
+        kept_counts = [1 + len(result.path) for result in accepted]
+        num_kept = max(kept_counts)
+        kept_nodes = torch.tensor([[0] + result.path + [result.path[-1] if result.path else 0] * (num_kept - count)
+                                   for result, count in zip(accepted, kept_counts)])  # [R, K], padded
+        kept_valid = torch.arange(num_kept)[None] < torch.tensor(kept_counts)[:, None]  # [R, K]
+        compact_cache(cache, past_len, kept_nodes)
+        if self.key_valid is not None or not bool(kept_valid.all()):
+            past_valid = self.key_valid if self.key_valid is not None else torch.ones(len(self), past_len,
+                                                                                     dtype=torch.bool)
+            self.key_valid = torch.cat([past_valid, kept_valid], dim=1)
+        kept = DraftContext(generator.context_features(hidden_states, kept_nodes),
+                            self.root_positions[:, None] + trees.depths.gather(1, kept_nodes),
+                            None if bool(kept_valid.all()) else kept_valid)
+        self.pending = kept if self.pending is None else join_contexts(self.pending, kept)
+        self.root_positions = self.root_positions + torch.tensor(kept_counts)
+        self.root_tokens = [result.tokens[-1] for result in accepted]
+        self.key_valid = repack(cache, self.key_valid)
+        generator.repack()
 
 
-def lookup_branches(rows: Rows, options: TreeOptions, lookup_rates, lengths: list[int]):
+@dataclass
+class StepPlan:
+    """What one step verifies. kind: `"draft"`, `"lookup"` or `"plain"` (see `lookup.StepScheduler`); trees: one per
+    row; branches / ngrams / branch_expected: each row's lookup branch (tokens, log-probs), its n-gram order and its
+    expected accepted tokens (None: no branch); predicted: auto's predicted accepted tokens of a drafted step."""
+
+    kind: str
+    trees: list
+    branches: list[tuple[list[int], list[float]]]
+    ngrams: list[int]
+    branch_expected: list[float | None]
+    predicted: float | None = None
+
+
+def lookup_branches(rows: Rows, lookup_rates, lengths: list[int]):
     """Per row, the lookup branch `(tokens, log_probs)` of at most `lengths[r]` tokens (empty when the row's text
     has no match) and its n-gram order, cut where its path probability falls below `MIN_PATH_PROB`."""
     branches, orders = [], []
@@ -135,6 +191,47 @@ def lookup_branches(rows: Rows, options: TreeOptions, lookup_rates, lengths: lis
         branches.append((tokens[:keep], log_probs[:keep]))
         orders.append(ngram)
     return branches, orders
+
+
+def plan_step(rows: Rows, options: TreeOptions, learned, generator: TreeFlashCandidateGenerator,
+              max_length: int, sync: DecisionSync, started: float) -> StepPlan:
+    """Stages 1-3 for every row: the lookup branches, the step kind, and (on a draft step) one batched drafter
+    forward and each row's tree; under `tree_budget="auto"`, the width every row verifies."""
+    auto_budget, schedule = learned.auto_budget, learned.schedule
+    num_rows = len(rows)
+    remaining = [max_length - sequence.shape[1] for sequence in rows.sequences]
+    budget = options.tree_budget if auto_budget is None else auto_budget.build_size(num_rows)
+    # the budget counts the root; under "auto" a branch verified alone may fill the largest measured forward
+    lookup_cap = budget if auto_budget is None else max(1, auto_budget.max_size // num_rows)
+    lookup_lengths = [min(options.tree_lookup, left - 1, lookup_cap - 1) for left in remaining]
+    branches, ngrams = lookup_branches(rows, learned.lookup_rates, lookup_lengths)
+    branch_expected = [expected_accepted(log_probs) if tokens else None for tokens, log_probs in branches]
+    # budget 1 is plain decoding asked for: nothing to draft, nothing for the scheduler to choose
+    kind = "plain" if budget == 1 else schedule.choose(branch_expected, share=sync.share_step_kind)
+    plan = StepPlan(kind, [], branches, ngrams, branch_expected)
+    if kind == "plain":  # the roots alone; the drafter catches up with its next draft
+        plan.trees = [root_tree(token) for token in rows.root_tokens]
+    elif kind == "lookup":  # the lookup branches alone; likewise
+        plan.trees = [chain_tree(token, torch.tensor(tokens, dtype=torch.long), torch.tensor(log_probs))
+                      for token, (tokens, log_probs) in zip(rows.root_tokens, branches)]
+        if auto_budget is not None:
+            width = auto_budget.choose_lookup(plan.trees, share=sync.share_int)
+            plan.trees = [tree.prefix(min(width, tree.size)) for tree in plan.trees]
+    else:
+        prev_tokens = [int(sequence[0, -2]) for sequence in rows.sequences]
+        blocks = generator.draft(rows.root_tokens, rows.root_positions, rows.pending,
+                                 max_depth=min(max(remaining), budget) - 1, prev_tokens=prev_tokens)
+        rows.pending = None
+        capped = [(tokens[: budget - 1], log_probs[: budget - 1]) if tokens else None
+                  for tokens, log_probs in branches]
+        plan.trees = generator.build_trees(blocks, budget, capped)
+        if auto_budget is not None:
+            if generator.device.type == "cuda":
+                torch.cuda.synchronize(generator.device)
+            width, plan.predicted = auto_budget.choose(plan.trees, time.perf_counter() - started,
+                                                       share=sync.share_int)
+            plan.trees = [tree.prefix(min(width, tree.size)) for tree in plan.trees]
+    return plan
 
 
 def accept_all(trees: TreeBatch, logits: torch.Tensor, rows: Rows, process: RowProcessor, do_sample: bool,
@@ -155,6 +252,18 @@ def accept_all(trees: TreeBatch, logits: torch.Tensor, rows: Rows, process: RowP
                     Acceptance(path, token_list, [0] + path, [logits[row, n : n + 1] for n in [0] + path])
                     for row, (a, path, token_list) in enumerate(zip(accepted, paths, tokens))]
     return accepted
+
+
+def learn_from_step(learned, plan: StepPlan, accepted: list[Acceptance], seconds: float) -> None:
+    """Feed what the step showed to the state carried across calls: lookup acceptance rates, the scheduler's times
+    and yields, auto's calibration."""
+    for (tokens, _), ngram, result in zip(plan.branches, plan.ngrams, accepted):
+        if tokens:
+            learned.lookup_rates.observe(ngram, tokens, result.tokens)
+    accepted_lengths = [len(result.path) for result in accepted]
+    learned.schedule.observe(plan.kind, seconds, accepted_lengths, plan.branch_expected)
+    if learned.auto_budget is not None and plan.kind == "draft":
+        learned.auto_budget.observe(plan.predicted, sum(accepted_lengths))
 
 
 @torch.no_grad()
@@ -202,35 +311,27 @@ def treeflash_decode(
     layer_ids = generator.target_layer_ids
     device = target.get_input_embeddings().weight.device  # where the target's inputs and outputs live
     batch_size = input_ids.shape[0]
+    learned = learned_state(drafter, target, options, generation_config, sync)  # carried over from earlier calls
+    process = RowProcessor(logits_processor, batch_size)
 
-    # Left padding: `key_valid [R, L]` marks the cache slots each row may attend (None: all of them).
-    key_valid = None
-    if attention_mask is not None and not bool(attention_mask.all()):
-        key_valid = attention_mask.bool().cpu()
+    # Prefill: the target runs on the (left-padded) prompts; its next tokens are the first roots.
+    key_valid = None if attention_mask is None or bool(attention_mask.all()) else attention_mask.bool().cpu()
     if position_ids is None:
         position_ids = torch.arange(input_ids.shape[1], device=input_ids.device).expand(batch_size, -1)
-    pads = [0] * batch_size if key_valid is None else (~key_valid).sum(dim=1).tolist()
-    rows = Rows(input_ids, pads, position_ids[:, -1].cpu() + 1)
-
-    # Prefill: the target runs on the prompts; its next tokens are the first roots.
     out = run_target(target, input_ids, position_ids, attention_mask, cache, layer_ids, logits_to_keep=1)
-    # context features the drafter has not seen yet, joined with each step's kept positions until the next draft
-    pending = DraftContext(generator.context_features(out.hidden_states, slice(None)), position_ids.cpu(), key_valid)
+    context = DraftContext(generator.context_features(out.hidden_states, slice(None)), position_ids.cpu(), key_valid)
+    rows = Rows(input_ids, key_valid, position_ids[:, -1].cpu() + 1, context)
     raw = out.logits[:, -1].float().to(device)  # [B, V]
     processed = logits_processor(input_ids, raw.clone()) if len(logits_processor) else raw
     if do_sample:
-        first_tokens = torch.multinomial(torch.softmax(processed, dim=-1), 1)[:, 0].tolist()
-        first_tokens = sync.share_ints(first_tokens)
+        first_tokens = sync.share_ints(torch.multinomial(torch.softmax(processed, dim=-1), 1)[:, 0].tolist())
     else:
         first_tokens = processed.argmax(dim=-1).tolist()
 
-    process = RowProcessor(logits_processor, batch_size)
     stats = [TreeFlashStats() for _ in range(batch_size)]
     scores: list[list[torch.Tensor]] = [[] for _ in range(batch_size)]
     raw_logits: list[list[torch.Tensor]] = [[] for _ in range(batch_size)]
-    results: list[torch.LongTensor | None] = [None] * batch_size
-    learned = learned_state(drafter, target, options, generation_config, sync)  # carried over from earlier calls
-    auto_budget, lookup_rates, schedule = learned.auto_budget, learned.lookup_rates, learned.schedule
+    results: dict[int, torch.LongTensor] = {}
 
     def emit(row: int, token: int, token_scores: torch.Tensor, token_raw: torch.Tensor) -> bool:
         """Commit one token to working row `row`; True when that row must stop."""
@@ -247,111 +348,39 @@ def treeflash_decode(
     finished = [emit(row, token, processed[row : row + 1], raw[row : row + 1]) for row, token in enumerate(first_tokens)]
     rows.root_tokens = first_tokens
     while True:
-        # ---- finished rows leave the working batch ----
-        if any(finished):
-            keep = [row for row, done in enumerate(finished) if not done]
-            for row, done in enumerate(finished):
-                if done:
-                    results[rows.ids[row]] = rows.sequences[row][0]
-            if not keep:
-                break
-            keep_index = torch.tensor(keep)
-            select_rows(cache, keep_index)
-            generator.select_rows(keep_index)
-            key_valid = None if key_valid is None else key_valid[keep_index]
-            pending = DraftContext(pending.features[keep_index.to(pending.features.device)],
-                                   pending.positions[keep_index],
-                                   None if pending.valid is None else pending.valid[keep_index])
-            rows.keep(keep)
-        num_rows = len(rows)
-        remaining = [generation_config.max_length - sequence.shape[1] for sequence in rows.sequences]
-
-        # ---- draft -> build trees: what each row verifies ----
-        drafting_started = time.perf_counter()
-        budget = options.tree_budget if auto_budget is None else auto_budget.build_size(num_rows)
-        # the budget counts the root; under "auto" a branch verified alone may fill the largest measured forward
-        lookup_cap = budget if auto_budget is None else max(1, auto_budget.max_size // num_rows)
-        lookup_lengths = [min(options.tree_lookup, left - 1, lookup_cap - 1) for left in remaining]
-        branches, ngrams = lookup_branches(rows, options, lookup_rates, lookup_lengths)
-        branch_expected = [expected_accepted(log_probs) if tokens else None for tokens, log_probs in branches]
-        # budget 1 is plain decoding asked for: nothing to draft, nothing for the scheduler to choose
-        step_kind = "plain" if budget == 1 else schedule.choose(branch_expected, share=sync.share_step_kind)
-        if step_kind == "plain":  # the roots alone; the drafter catches up with its next draft
-            trees = [root_tree(token) for token in rows.root_tokens]
-        elif step_kind == "lookup":  # the lookup branches alone; likewise
-            trees = [chain_tree(token, torch.tensor(tokens, dtype=torch.long), torch.tensor(log_probs))
-                     for token, (tokens, log_probs) in zip(rows.root_tokens, branches)]
-            if auto_budget is not None:
-                width = auto_budget.choose_lookup(trees, share=sync.share_int)
-                trees = [tree.prefix(min(width, tree.size)) for tree in trees]
-        else:
-            prev_tokens = [int(sequence[0, -2]) for sequence in rows.sequences]
-            blocks = generator.draft(rows.root_tokens, rows.root_positions, pending,
-                                     max_depth=min(max(remaining), budget) - 1, prev_tokens=prev_tokens)
-            pending = None
-            capped = [(tokens[: budget - 1], log_probs[: budget - 1]) if tokens else None
-                      for tokens, log_probs in branches]
-            trees = generator.build_trees(blocks, budget, capped)
-        drafted = step_kind == "draft"
-        if auto_budget is not None and drafted:
-            if device.type == "cuda":
-                torch.cuda.synchronize(device)
-            width, predicted = auto_budget.choose(trees, time.perf_counter() - drafting_started, share=sync.share_int)
-            trees = [tree.prefix(min(width, tree.size)) for tree in trees]
-        batch = TreeBatch.pack(trees)
-
-        # ---- verify -> accept ----
+        results.update(rows.leave(finished, cache, generator))
+        if not len(rows):
+            break
+        # draft -> build trees -> verify -> accept
+        started = time.perf_counter()
+        plan = plan_step(rows, options, learned, generator, generation_config.max_length, sync, started)
+        trees = TreeBatch.pack(plan.trees)
         past_len = cache.get_seq_length()
-        logits, hidden_states = verify_trees(target, batch, cache, rows.root_positions, key_valid, layer_ids, device)
-        accepted = accept_all(batch, logits, rows, process, do_sample, sync)
-        for (tokens, _), ngram, result in zip(branches, ngrams, accepted):
-            if tokens:
-                lookup_rates.observe(ngram, tokens, result.tokens)
-        accepted_lengths = [len(result.path) for result in accepted]
-        schedule.observe(step_kind, time.perf_counter() - drafting_started, accepted_lengths, branch_expected)
-        if auto_budget is not None and drafted:
-            auto_budget.observe(predicted, sum(accepted_lengths))
-
-        # ---- emit, then commit: each row keeps its root and accepted nodes in both caches ----
-        finished = [False] * num_rows
-        for row, (tree, result) in enumerate(zip(trees, accepted)):
+        logits, hidden_states = verify_trees(target, trees, cache, rows.root_positions, rows.key_valid, layer_ids,
+                                             device)
+        accepted = accept_all(trees, logits, rows, process, do_sample, sync)
+        learn_from_step(learned, plan, accepted, time.perf_counter() - started)
+        # emit each row's tokens (stopping token by token), then commit what the unfinished rows keep
+        finished = [False] * len(rows)
+        for row, (tree, result) in enumerate(zip(plan.trees, accepted)):
             row_stats = stats[rows.ids[row]]
             row_stats.accepted_lengths.append(len(result.path))
             row_stats.tree_sizes.append(tree.size)
             row_stats.expected_accepted_lengths.append(tree.expected_accepted_len)
-            row_stats.step_kinds.append(step_kind)
+            row_stats.step_kinds.append(plan.kind)
             for token, token_scores, node in zip(result.tokens, result.scores, result.visited):
                 if emit(row, token, token_scores, logits[row, node : node + 1]):
                     finished[row] = True
                     break
-        if all(finished):
-            continue  # every row leaves: nothing to commit
-        kept_counts = [1 + len(result.path) for result in accepted]
-        num_kept = max(kept_counts)
-        kept_nodes = torch.tensor([[0] + result.path + [result.path[-1] if result.path else 0] * (num_kept - count)
-                                   for result, count in zip(accepted, kept_counts)])  # [R, K], padded
-        kept_valid = torch.arange(num_kept)[None] < torch.tensor(kept_counts)[:, None]  # [R, K]
-        compact_cache(cache, past_len, kept_nodes)
-        if key_valid is not None or not bool(kept_valid.all()):
-            past_valid = key_valid if key_valid is not None else torch.ones(num_rows, past_len, dtype=torch.bool)
-            key_valid = torch.cat([past_valid, kept_valid], dim=1)
-        kept = DraftContext(generator.context_features(hidden_states, kept_nodes),
-                            rows.root_positions[:, None] + batch.depths.gather(1, kept_nodes),
-                            None if bool(kept_valid.all()) else kept_valid)
-        pending = kept if pending is None else join_contexts(pending, kept)
-        rows.root_positions = rows.root_positions + torch.tensor(kept_counts)
-        rows.root_tokens = [result.tokens[-1] for result in accepted]
-        key_valid = repack(cache, key_valid)
-        generator.repack()
+        if not all(finished):
+            rows.commit(accepted, trees, hidden_states, cache, past_len, generator)
 
     if streamer is not None:
         streamer.end()
-    pad_token_id = generation_config.pad_token_id
-    width = max(sequence.shape[0] for sequence in results)
-    sequences = torch.stack([
-        torch.cat([sequence, sequence.new_full((width - sequence.shape[0],), pad_token_id or 0)])
-        for sequence in results
-    ])
+    width = max(sequence.shape[0] for sequence in results.values())
+    pad = generation_config.pad_token_id or 0  # (a batch has one; a single row is never padded)
+    sequences = torch.stack([torch.cat([results[row], results[row].new_full((width - results[row].shape[0],), pad)])
+                             for row in range(batch_size)])
     if not return_dict:
         return sequences
     pooled = TreeFlashStats.pooled(stats)

@@ -15,7 +15,8 @@ from pathlib import Path
 
 import torch
 
-from . import generation
+from . import generation, verify
+from .cli import tree_budget
 from .budget import measure_verify_cost
 from .draft import TreeFlashCandidateGenerator
 from .options import TreeOptions
@@ -24,17 +25,19 @@ from .testing import matching_drafter, random_target
 STAGES = {
     "draft (drafter forward + marginals)": (TreeFlashCandidateGenerator, "draft"),
     "tree (AR tables + best-first)": (TreeFlashCandidateGenerator, "build_trees"),
-    "verify (target forward)": (generation, "verify_trees"),
+    "verify (masks, inputs, target forward)": (generation, "verify_trees"),
+    "  of which the target forward": (verify, "run_target"),
     "accept": (generation, "accept_all"),
-    "commit (cache compaction)": (generation, "compact_cache"),
+    "commit (cache compaction, context)": (generation.Rows, "commit"),
 }
+PREFILL = (generation, "run_target")  # the target on the prompt: not part of a decode step
 
 
 @contextlib.contextmanager
-def stage_timers(totals: dict[str, float]):
-    """Wrap each pipeline stage with a wall-clock timer for the duration of the block."""
+def stage_timers(totals: dict[str, float], stages: dict):
+    """Wrap each of `stages` (name -> (owner, attribute)) with a wall-clock timer for the duration of the block."""
     originals = []
-    for name, (owner, attribute) in STAGES.items():
+    for name, (owner, attribute) in stages.items():
         original = getattr(owner, attribute)
         originals.append((owner, attribute, original))
 
@@ -53,14 +56,17 @@ def stage_timers(totals: dict[str, float]):
             setattr(owner, attribute, original)
 
 
-def profile_budget(target, drafter, prompt, budget: int, mode: str, new_tokens: int) -> tuple[dict, int, float]:
+def profile_budget(target, drafter, prompt, budget: int | str, mode: str, new_tokens: int
+                   ) -> tuple[dict, int, float]:
+    """Per-stage seconds of decoding `prompt` with the drafter alone (no lookup branch), the number of steps, and
+    the decode loop's wall time (the prefill excluded)."""
     totals: dict[str, float] = defaultdict(float)
-    with stage_timers(totals):
+    with stage_timers(totals, {**STAGES, "prefill": PREFILL}):
         start = time.perf_counter()
         out = generation.treeflash_generate(target, drafter, prompt, max_new_tokens=new_tokens, tree_mode=mode,
                                             tree_budget=budget, tree_lookup=0)  # the drafter pipeline only
         wall = time.perf_counter() - start
-    return totals, len(out.tree_sizes), wall
+    return totals, len(out.tree_sizes), wall - totals.pop("prefill")
 
 
 @torch.no_grad()
@@ -163,15 +169,26 @@ def run(args: argparse.Namespace) -> int:
     torch.set_num_threads(args.threads)
     if args.cost_table:
         return run_cost_table(args)
-    target = random_target("qwen3", vocab_size=args.vocab, hidden_size=args.hidden, num_layers=args.layers,
-                           num_heads=args.heads, num_kv_heads=max(1, args.heads // 2),
-                           intermediate_size=3 * args.hidden)
-    drafter = matching_drafter(target, num_layers=args.drafter_layers, block_size=args.block_size)
+    if args.bundled:
+        from . import reference
+        from .bench import load_prompts
+
+        target, drafter, tokenizer = reference.load()
+        prompt = tokenizer(load_prompts("packages-heldout", 1)[0], return_tensors="pt")["input_ids"]
+        description = "the bundled pair"
+    else:
+        dtype = getattr(torch, args.dtype)
+        target = random_target("qwen3", vocab_size=args.vocab, hidden_size=args.hidden, num_layers=args.layers,
+                               num_heads=args.heads, num_kv_heads=max(1, args.heads // 2),
+                               intermediate_size=3 * args.hidden).to(dtype)
+        drafter = matching_drafter(target, num_layers=args.drafter_layers, block_size=args.block_size).to(dtype)
+        generator = torch.Generator().manual_seed(0)
+        prompt = torch.randint(0, args.vocab - 1, (1, args.prompt_len), generator=generator)
+        description = "random Qwen3"
     params = sum(p.numel() for p in target.parameters()) / 1e6
-    print(f"target: random Qwen3, {params:.1f}M parameters; drafter: {args.drafter_layers} layers, "
-          f"block {args.block_size}; prompt {args.prompt_len} tokens; {args.threads} threads; mode {args.mode}")
-    generator = torch.Generator().manual_seed(0)
-    prompt = torch.randint(0, args.vocab - 1, (1, args.prompt_len), generator=generator)
+    print(f"target: {description}, {params:.1f}M parameters, {str(target.dtype).removeprefix('torch.')}; drafter: "
+          f"{drafter.config.num_hidden_layers} layers, block {drafter.config.block_size}; prompt {prompt.shape[1]} "
+          f"tokens; {args.threads} threads; mode {args.mode}")
     with torch.no_grad():
         profile_budget(target, drafter, prompt, args.budgets[0], args.mode, 8)  # warm-up
         start = time.perf_counter()
@@ -181,18 +198,23 @@ def run(args: argparse.Namespace) -> int:
     for budget in args.budgets:
         totals, steps, wall = profile_budget(target, drafter, prompt, budget, args.mode, args.new_tokens)
         step_ms = wall / max(steps, 1) * 1e3
-        print(f"\nbudget {budget}: {steps} steps, {step_ms:.1f} ms per step (wall, incl. prefill share)")
-        staged = sum(totals.values())
+        print(f"\nbudget {budget}: {steps} steps, {step_ms:.1f} ms per decode step (wall, prefill excluded)")
         for name in STAGES:
-            print(f"  {name:38s} {totals[name] / steps * 1e3:7.2f} ms/step  {100 * totals[name] / wall:5.1f}%")
+            print(f"  {name:40s} {totals[name] / steps * 1e3:7.2f} ms/step  {100 * totals[name] / wall:5.1f}%")
+        staged = sum(value for name, value in totals.items() if not name.startswith(" "))  # nested ones counted
         other = wall - staged
-        print(f"  {'other (prefill, Python glue)':38s} {other / steps * 1e3:7.2f} ms/step  {100 * other / wall:5.1f}%")
+        print(f"  {'other (lookup, emission, Python glue)':40s} {other / steps * 1e3:7.2f} ms/step  "
+              f"{100 * other / wall:5.1f}%")
     return 0
 
 
 def add_parser(subparsers) -> None:
     parser = subparsers.add_parser("profile", help="Profile the decode step on random-init models.")
-    parser.add_argument("--budgets", type=int, nargs="+", default=[16, 64])
+    parser.add_argument("--budgets", type=tree_budget, nargs="+", default=[16, 64])
+    parser.add_argument("--bundled", action="store_true",
+                        help="profile the bundled pair (in its run dtype) on a held-out package prompt")
+    parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"],
+                        help="dtype of the random-init models")
     parser.add_argument("--mode", default="treeflash", choices=["chain", "marginal_tree", "treeflash"])
     parser.add_argument("--hidden", type=int, default=512)
     parser.add_argument("--layers", type=int, default=8)

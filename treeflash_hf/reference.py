@@ -171,8 +171,11 @@ def write_readme(out_dir: Path, description: str, summary: dict, params: int, dt
         evals = [row for row in info["curve"] if any(k.startswith("eval_") for k in row)]
         final = {k: round(v, 4) for k, v in (evals[-1] if evals else {}).items() if k.startswith("eval_")}
         name = f"stage `{stage}`: " if stage else ""
+        runs = info.get("runs", [])
+        in_runs = f" in {len(runs)} runs (resumed at step {', '.join(str(r['from_step']) for r in runs[1:])})" \
+            if len(runs) > 1 else ""
         lines.append(f"- {name}{info['steps']} steps, {info['tokens']:,} tokens, {info['minutes']:.1f} min on "
-                     f"{info.get('device', 'cpu')}; final held-out {final}")
+                     f"{info.get('device', 'cpu')}{in_runs}; final held-out {final}")
     (out_dir / "README.md").write_text("\n".join(lines) + "\n")
 
 
@@ -373,11 +376,12 @@ def build(args: argparse.Namespace) -> int:
         sd_set = datasets.load_from_disk(str(sd_dir / "dataset"))
         split = int(len(sd_set) * 0.95)
         pad = tokenizer.pad_token_id
+        sd_len = args.sd_prompt_len + args.sd_new_tokens  # a self-distilled sequence fills its window
         data = {
             "backbone": (TokenStream(streams["train"], seq_len, seed=3),
                          TokenStream(streams["heldout"], seq_len, seed=4).eval_batches(batch, 4)),
-            "ar": (MaskedSequences(sd_set.select(range(split)), seq_len, pad, seed=6),
-                   [MaskedSequences(sd_set.select(range(split, len(sd_set))), seq_len, pad, seed=7).batch(i, batch)
+            "ar": (MaskedSequences(sd_set.select(range(split)), sd_len, pad, seed=6),
+                   [MaskedSequences(sd_set.select(range(split, len(sd_set))), sd_len, pad, seed=7).batch(i, batch)
                     for i in range(4)]),
         }
         summaries = {}
@@ -421,9 +425,44 @@ def build(args: argparse.Namespace) -> int:
     return 0
 
 
+@torch.no_grad()
+def evaluate(args: argparse.Namespace) -> int:
+    """Bits per byte of a reference target on the held-out split of the corpus and on the reserved packages'
+    code (never trained on), over `--windows` evenly spaced windows of each."""
+    import math
+
+    from .training.data import TokenStream
+    from .training.lm import lm_loss
+
+    torch.set_num_threads(args.threads)
+    target, _, tokenizer = load(args.models, dtype=getattr(torch, args.dtype))
+    texts = {"heldout": corpus_split(site_packages=True)["heldout"], "packages": reserved_package_texts()}
+    report = {}
+    for split, split_texts in texts.items():
+        ids = encode(tokenizer, split_texts)
+        bytes_per_token = sum(len(t.encode()) for t in split_texts) / len(ids)
+        windows = TokenStream(ids, args.seq_len).eval_batches(8, max(1, args.windows // 8))
+        nats = sum(float(lm_loss(target, batch)) for batch in windows) / len(windows)
+        report[split] = {"files": len(split_texts), "tokens_evaluated": sum(b.numel() for b in windows),
+                         "bits_per_byte": nats / math.log(2) / bytes_per_token}
+        print(f"{split}: {report[split]['bits_per_byte']:.3f} bits per byte over "
+              f"{report[split]['tokens_evaluated']:,} tokens of {len(split_texts)} files")
+    if args.json:
+        Path(args.json).write_text(json.dumps(report, indent=2))
+    return 0
+
+
 def add_parser(subparsers) -> None:
-    parser = subparsers.add_parser("reference", help="Build the bundled reference suite.")
+    parser = subparsers.add_parser("reference", help="Build or evaluate the bundled reference suite.")
     sub = parser.add_subparsers(dest="reference_command", required=True)
+    e = sub.add_parser("eval", help="Bits per byte of the reference target on held-out code.")
+    e.add_argument("--models", help="a folder `reference build` wrote (default: the bundled suite)")
+    e.add_argument("--windows", type=int, default=256, help="windows of --seq-len tokens per set")
+    e.add_argument("--seq-len", type=int, default=512)
+    e.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
+    e.add_argument("--threads", type=int, default=2)
+    e.add_argument("--json")
+    e.set_defaults(func=evaluate)
     b = sub.add_parser("build", help="Train target, drafter and draft LM (and a tokenizer when none exists).")
     b.add_argument("--out", default=str(BUNDLED_DIR))
     b.add_argument("--work", default="reference_work", help="token streams and checkpoints (not bundled)")
@@ -459,8 +498,8 @@ def add_parser(subparsers) -> None:
     b.add_argument("--ar-minutes", type=float, default=30)
     b.add_argument("--ar-steps", type=int)
     b.add_argument("--sd-prompts", type=int, default=3072)
-    b.add_argument("--sd-prompt-len", type=int, default=192)
-    b.add_argument("--sd-new-tokens", type=int, default=160)
+    b.add_argument("--sd-prompt-len", type=int, default=128)
+    b.add_argument("--sd-new-tokens", type=int, default=224)
     b.add_argument("--sd-batch-size", type=int, default=32)
     b.add_argument("--sd-temperature", type=float, default=0.8)
     b.add_argument("--draft-lm-minutes", type=float, default=8)

@@ -124,12 +124,13 @@ def add_parser(subparsers) -> None:
     parser = subparsers.add_parser(
         "serve-bench", help="First-token latency and tokens/s through `transformers serve`: TreeFlash vs. plain.")
     parser.add_argument("--folder", help="a TreeFlash model folder (default: the bundled reference target)")
-    parser.add_argument("--prompts", default="stdlib-heldout",
-                        help="humaneval, stdlib-heldout, or a JSONL file of {\"prompt\": ...}")
+    parser.add_argument("--prompts", default="packages-heldout",
+                        help="packages-heldout, humaneval, stdlib-heldout, or a JSONL file of {\"prompt\": ...}")
     parser.add_argument("--num-prompts", type=positive_int, default=8)
     parser.add_argument("--max-tokens", type=positive_int, default=96)
     parser.add_argument("--repeats", type=positive_int, default=3)
-    parser.add_argument("--dtype", default="float32", help="the servers' --dtype (default float32)")
+    parser.add_argument("--dtype", default="auto",
+                        help="the servers' --dtype (default auto: the dtype the weights are stored in)")
     parser.add_argument("--device", default="auto", help="the servers' --device (default auto)")
     parser.add_argument("--json", help="write the report here")
     parser.set_defaults(func=run)

@@ -32,19 +32,18 @@ class DecisionSync:
         if self.active and dist.get_backend() == "nccl":
             self.device = torch.device("cuda", torch.cuda.current_device())
 
-    def share_ints(self, values: list[int]) -> list[int]:
+    def _broadcast(self, values: list, dtype: torch.dtype) -> list:
         if not self.active:
             return values
-        tensor = torch.tensor(values, dtype=torch.long, device=self.device)
+        tensor = torch.tensor(values, dtype=dtype, device=self.device)
         dist.broadcast(tensor, src=0)
         return tensor.tolist()
 
+    def share_ints(self, values: list[int]) -> list[int]:
+        return self._broadcast(values, torch.long)
+
     def share_floats(self, values: list[float]) -> list[float]:
-        if not self.active:
-            return values
-        tensor = torch.tensor(values, dtype=torch.float64, device=self.device)
-        dist.broadcast(tensor, src=0)
-        return tensor.tolist()
+        return self._broadcast(values, torch.float64)
 
     def share_int(self, value: int) -> int:
         return self.share_ints([value])[0]

@@ -46,12 +46,20 @@ def block_attention_mask(anchors: torch.LongTensor, context_len: int, block_size
     return mask[:, None]
 
 
-def sample_anchors(batch: int, seq_len: int, block_size: int, num_anchors: int, generator) -> torch.LongTensor:
-    """`[B, A]` anchor positions in `[1, T - Q]`, so every block has context and its slots stay in the sequence."""
+def sample_anchors(batch: int, seq_len: int, block_size: int, num_anchors: int, generator,
+                   loss_mask: torch.Tensor | None = None) -> torch.LongTensor:
+    """`[B, A]` anchor positions in `[1, T - Q]`, so every block has context and its slots stay in the sequence.
+    With `loss_mask [B, T + 1]`, a row's anchors are drawn among the positions whose first drafted token counts
+    (e.g. in the response of a self-distilled sequence), so no block is spent where nothing is learned; a row
+    without such a position draws from all of them."""
     high = seq_len - block_size + 1
     if high <= 1:
         raise ValueError(f"Sequences of {seq_len} tokens are too short for blocks of {block_size}.")
-    return torch.randint(1, high, (batch, num_anchors), generator=generator)
+    if loss_mask is None:
+        return torch.randint(1, high, (batch, num_anchors), generator=generator)
+    useful = (loss_mask[:, 2 : high + 1] > 0).float()  # anchor a (1..high-1) predicts token a + 1 first
+    useful[useful.sum(dim=1) == 0] = 1.0
+    return 1 + torch.multinomial(useful, num_anchors, replacement=True, generator=generator)
 
 
 def drafter_loss_terms(
@@ -140,7 +148,8 @@ def drafter_loss(
     (e.g. the response). Returns the loss and metrics (`kl`, `top1` = how often the drafter's argmax is the
     verifier's, slot 1 and mean, `accept_proxy`)."""
     batch, seq_len = input_ids.shape[0], input_ids.shape[1] - 1
-    anchors = sample_anchors(batch, seq_len, drafter.config.block_size, loss_config.num_anchors, generator)
+    anchors = sample_anchors(batch, seq_len, drafter.config.block_size, loss_config.num_anchors, generator,
+                             loss_mask)
     terms = drafter_loss_terms(target, drafter, input_ids, loss_config, anchors, loss_mask, stage)
     loss = terms.loss_sum / terms.weight.clamp_min(1e-6)
     return loss, ratios({name: (float(num), float(den)) for name, (num, den) in terms.metrics.items()})
@@ -177,7 +186,8 @@ def train_drafter(target, drafter, train_data, heldout_batches: list, loss_confi
     def loss_fn(step: int, shard: Shard) -> LossTerms:
         ids, mask = unpack(train_data.batch(step, config.batch_size))
         anchor_generator.manual_seed(config.seed * 7919 + step)
-        anchors = sample_anchors(ids.shape[0], ids.shape[1] - 1, block, loss_config.num_anchors, anchor_generator)
+        anchors = sample_anchors(ids.shape[0], ids.shape[1] - 1, block, loss_config.num_anchors, anchor_generator,
+                                 mask)
         ids, anchors, mask = share(ids, mask, anchors, shard)
         return drafter_loss_terms(target, drafter, ids, loss_config, anchors, mask)
 
@@ -189,7 +199,7 @@ def train_drafter(target, drafter, train_data, heldout_batches: list, loss_confi
             for item in heldout_batches:
                 ids, mask = unpack(item)
                 anchors = sample_anchors(ids.shape[0], ids.shape[1] - 1, block, loss_config.num_anchors,
-                                         eval_generator)
+                                         eval_generator, mask)
                 ids, anchors, mask = share(ids, mask, anchors, shard)
                 if len(ids) == 0:  # a held-out batch with fewer rows than processes
                     continue

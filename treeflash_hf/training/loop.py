@@ -153,21 +153,25 @@ def train_loop(
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: lr_factor(s, config))
     objective, optimizer = accelerator.prepare(_Objective(model, loss_fn, shard, global_sums), optimizer)
 
-    start_step, curve = 0, []
+    start_step, curve, runs = 0, [], []  # runs: steps, tokens and minutes of each earlier run of this schedule
     if config.resume and (checkpoint := latest_checkpoint(run_dir)) is not None:
         state = load_checkpoint(checkpoint)
         model.load_state_dict(state["model"])
         optimizer.load_state_dict(state["optimizer"])
         scheduler.load_state_dict(state["scheduler"])
         set_rng_state(state["rng"])
-        start_step, curve = state["step"], state.get("curve", [])
+        start_step, curve, runs = state["step"], state.get("curve", []), state.get("runs", [])
         accelerator.print(f"resumed from {checkpoint} at step {start_step}")
+
+    def this_run() -> dict:
+        return {"from_step": start_step, "to_step": step, "tokens": tokens_seen,
+                "minutes": (time.time() - started) / 60}
 
     def save(step: int) -> None:
         """The main process writes; the others wait until the checkpoint is complete."""
         if accelerator.is_main_process:
             state = {"model": model.state_dict(), "optimizer": optimizer.state_dict(),
-                     "scheduler": scheduler.state_dict(), "curve": curve}
+                     "scheduler": scheduler.state_dict(), "curve": curve, "runs": runs + [this_run()]}
             meta = {"config": asdict(config), "description": description, "num_processes": shard.count}
             save_checkpoint(run_dir, step, state, meta)
             (run_dir / "curve.jsonl").write_text("".join(json.dumps(row) + "\n" for row in curve))
@@ -219,4 +223,6 @@ def train_loop(
             break
     bar.close()
     model.eval()
-    return {"steps": step, "minutes": (time.time() - started) / 60, "tokens": tokens_seen, "curve": curve}
+    all_runs = runs + [this_run()]  # a resumed schedule reports the totals of all its runs
+    return {"steps": step, "minutes": sum(run["minutes"] for run in all_runs),
+            "tokens": sum(run["tokens"] for run in all_runs), "runs": all_runs, "curve": curve}

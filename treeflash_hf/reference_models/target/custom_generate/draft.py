@@ -117,7 +117,7 @@ class TreeFlashCandidateGenerator(CandidateGenerator):
         # The target's head as plain tensors (a tensor-parallel head is gathered once): the drafter side indexes
         # rows of it and must not take part in the target's collectives.
         self.head_weight = full_tensor(lm_head.weight).to(drafter.device)  # [V, H]
-        self.head_bias = full_tensor(lm_head.bias)
+        self.head_bias = None if lm_head.bias is None else full_tensor(lm_head.bias).to(drafter.device)
         config = drafter.config
         self.target_layer_ids = list(config.target_layer_ids)
         self.block_size = config.block_size
