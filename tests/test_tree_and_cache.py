@@ -6,7 +6,7 @@ import math
 import torch
 from transformers import DynamicCache
 
-from treeflash_hf.cache import compact_cache
+from treeflash_hf.cache import compact_cache, repack
 from treeflash_hf.tree import TreeBatch, best_first_tree, chain_tree, table_children
 from treeflash_hf.verify import verify_trees
 from treeflash_hf.testing import random_target
@@ -123,3 +123,21 @@ def test_chain_tree_shape():
     tree = chain_tree(4, torch.tensor([1, 2, 3]), torch.log(torch.tensor([0.5, 0.5, 0.5])))
     assert tree.tokens.tolist() == [4, 1, 2, 3] and tree.parents.tolist() == [-1, 0, 1, 2]
     assert math.isclose(tree.expected_accepted_len, 0.5 + 0.25 + 0.125, rel_tol=1e-6)
+
+
+def test_repack_cuts_the_cache_only_when_it_shrinks():
+    """Re-packing moves each row's valid slots to the front and cuts the cache to the longest row. Invalid slots it
+    cannot remove (rows of different lengths) must not trigger it: that would copy the whole cache every step."""
+    cache = DynamicCache()
+    keys = torch.arange(2 * 1 * 8 * 1, dtype=torch.float32).view(2, 1, 8, 1)
+    cache.update(keys.clone(), keys.clone() + 100, 0)
+    ragged = torch.tensor([[True] * 8, [False] * 6 + [True] * 2])  # row 1's left padding: irreducible
+    assert repack(cache, ragged) is ragged and cache.layers[0].keys.shape[2] == 8
+    holes = torch.tensor([[True, False, True, False, True, False, True, True],
+                          [False, True, True, False, False, True, False, True]])  # 5 and 4 valid of 8
+    new_valid = repack(cache, holes)
+    layer = cache.layers[0]
+    assert layer.keys.shape[2] == 5  # the longest row's valid slots
+    assert layer.keys[0, 0, :, 0].tolist() == [0, 2, 4, 6, 7]  # row 0's valid slots, in order
+    assert layer.keys[1, 0, :4, 0].tolist() == [9, 10, 13, 15] and new_valid[1].tolist() == [True] * 4 + [False]
+    assert torch.equal(layer.values, layer.keys + 100) and new_valid[0].all()

@@ -64,18 +64,18 @@ def select_rows(cache, rows: torch.LongTensor) -> None:
 
 
 def repack(cache, key_valid: torch.BoolTensor | None, max_invalid_fraction: float = 0.25):
-    """When invalid slots exceed `max_invalid_fraction` of the cache, move each row's valid slots to the front
-    (in their order) and cut the cache to the longest row. Returns the new `key_valid` (None when every slot is
-    valid again)."""
+    """When moving each row's valid slots to the front (in their order) would cut the cache, now as long as its
+    longest row's valid slots, by more than `max_invalid_fraction` of its length, do it. Returns the new
+    `key_valid` (None when every slot is valid again). Invalid slots that re-packing cannot remove (the rows'
+    lengths differ) do not trigger it: they would make every step pay a full-cache copy for nothing."""
     if key_valid is None:
         return None
     length = key_valid.shape[1]
-    invalid = int((~key_valid).sum())
-    if invalid <= max_invalid_fraction * key_valid.numel():
+    new_length = int(key_valid.sum(dim=1).max())
+    if length - new_length <= max_invalid_fraction * length:
         return key_valid
     # stable order per row: valid slots first
     order = (~key_valid).to(torch.int8).argsort(dim=1, stable=True)  # [R, L]
-    new_length = int(key_valid.sum(dim=1).max())
     slots = order[:, :new_length]
     for layer in cache.layers:
         if layer.keys is not None and layer.keys.shape[-2] == length:
