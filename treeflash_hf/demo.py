@@ -58,7 +58,7 @@ def run(args: argparse.Namespace) -> int:
     knobs = {"tree_mode": args.mode, "tree_budget": args.tree_budget, "tree_lookup": args.tree_lookup}
     knobs = {k: v for k, v in knobs.items() if v is not None}
     # a mild repetition penalty keeps a small model's greedy text from looping (a logits processor: TreeFlash applies
-    # it at every node, so the output is still exactly plain generate()'s)
+    # it at every node, so the output is plain generate()'s, up to near-ties of the run dtype's rounding)
     common = dict(max_new_tokens=args.max_new_tokens, do_sample=False, pad_token_id=tokenizer.pad_token_id,
                   repetition_penalty=args.repetition_penalty)
     penalty = RepetitionPenaltyLogitsProcessor(args.repetition_penalty) if args.repetition_penalty != 1.0 else None

@@ -116,13 +116,19 @@ def training_throughput(target, dtype: torch.dtype, batch: int = 8, seq_len: int
     return batch * seq_len / statistics.median(times[1:])
 
 
-def cost_row(layers: int, hidden: int, dtype: torch.dtype, args: argparse.Namespace) -> dict:
-    """One line of the cost table: a random Qwen3 target of `layers` x `hidden` (intermediate 3H, head dim 64) and
-    a matching drafter of `args.drafter_layers` layers, in `dtype`. Every ratio is measured here."""
-    heads = max(1, hidden // 64)
+def random_pair(layers: int, hidden: int, heads: int, dtype: torch.dtype, args: argparse.Namespace):
+    """A random Qwen3 target of `layers` x `hidden` (intermediate 3H, half as many KV heads) and a matching drafter
+    of `args.drafter_layers` layers and block `args.block_size`, both in `dtype`."""
     target = random_target("qwen3", vocab_size=args.vocab, hidden_size=hidden, num_layers=layers, num_heads=heads,
                            num_kv_heads=max(1, heads // 2), intermediate_size=3 * hidden).to(dtype)
     drafter = matching_drafter(target, num_layers=args.drafter_layers, block_size=args.block_size).to(dtype)
+    return target, drafter
+
+
+def cost_row(layers: int, hidden: int, dtype: torch.dtype, args: argparse.Namespace) -> dict:
+    """One line of the cost table: `random_pair` of `layers` x `hidden` (head dim 64) in `dtype`. Every ratio is
+    measured here."""
+    target, drafter = random_pair(layers, hidden, max(1, hidden // 64), dtype, args)
     sizes = sorted({1, *args.verify_sizes})
     costs = measure_verify_cost(target, sizes=sizes, past_len=args.prompt_len)
     drafter_seconds = measure_drafter_forward(target, drafter, past_len=args.prompt_len)
@@ -177,11 +183,7 @@ def run(args: argparse.Namespace) -> int:
         prompt = tokenizer(load_prompts("packages-heldout", 1)[0], return_tensors="pt")["input_ids"]
         description = "the bundled pair"
     else:
-        dtype = getattr(torch, args.dtype)
-        target = random_target("qwen3", vocab_size=args.vocab, hidden_size=args.hidden, num_layers=args.layers,
-                               num_heads=args.heads, num_kv_heads=max(1, args.heads // 2),
-                               intermediate_size=3 * args.hidden).to(dtype)
-        drafter = matching_drafter(target, num_layers=args.drafter_layers, block_size=args.block_size).to(dtype)
+        target, drafter = random_pair(args.layers, args.hidden, args.heads, getattr(torch, args.dtype), args)
         generator = torch.Generator().manual_seed(0)
         prompt = torch.randint(0, args.vocab - 1, (1, args.prompt_len), generator=generator)
         description = "random Qwen3"

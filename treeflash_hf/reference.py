@@ -138,6 +138,11 @@ def train_tokenizer(texts: list[str], vocab_size: int, out_dir: Path):
     return wrapped
 
 
+def bytes_per_token(texts: list[str], num_tokens: int) -> float:
+    """UTF-8 bytes of `texts` per token of their encoding."""
+    return sum(len(text.encode()) for text in texts) / max(1, num_tokens)
+
+
 def encode(tokenizer, texts: list[str]) -> np.ndarray:
     eos = tokenizer.eos_token_id
     ids: list[int] = []
@@ -227,7 +232,7 @@ def prepare_corpus(args: argparse.Namespace, out: Path, work: Path):
             ids = encode(tokenizer, split_texts)
             save_tokens(work / f"{split}.npy", ids)
             info[split] = {"files": len(split_texts), "tokens": int(len(ids)),
-                           "bytes_per_token": sum(len(t.encode()) for t in split_texts) / max(1, len(ids))}
+                           "bytes_per_token": bytes_per_token(split_texts, len(ids))}
         tmp = work / "corpus.json.tmp"
         tmp.write_text(json.dumps(info, indent=2))
         tmp.replace(work / "corpus.json")
@@ -429,10 +434,8 @@ def build(args: argparse.Namespace) -> int:
 def evaluate(args: argparse.Namespace) -> int:
     """Bits per byte of a reference target on the held-out split of the corpus and on the reserved packages'
     code (never trained on), over `--windows` evenly spaced windows of each."""
-    import math
-
     from .training.data import TokenStream
-    from .training.lm import lm_loss
+    from .training.lm import bits_per_byte, lm_loss
 
     torch.set_num_threads(args.threads)
     target, _, tokenizer = load(args.models, dtype=getattr(torch, args.dtype))
@@ -440,11 +443,10 @@ def evaluate(args: argparse.Namespace) -> int:
     report = {}
     for split, split_texts in texts.items():
         ids = encode(tokenizer, split_texts)
-        bytes_per_token = sum(len(t.encode()) for t in split_texts) / len(ids)
         windows = TokenStream(ids, args.seq_len).eval_batches(8, max(1, args.windows // 8))
         nats = sum(float(lm_loss(target, batch)) for batch in windows) / len(windows)
         report[split] = {"files": len(split_texts), "tokens_evaluated": sum(b.numel() for b in windows),
-                         "bits_per_byte": nats / math.log(2) / bytes_per_token}
+                         "bits_per_byte": bits_per_byte(nats, bytes_per_token(split_texts, len(ids)))}
         print(f"{split}: {report[split]['bits_per_byte']:.3f} bits per byte over "
               f"{report[split]['tokens_evaluated']:,} tokens of {len(split_texts)} files")
     if args.json:

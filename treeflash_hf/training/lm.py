@@ -19,6 +19,11 @@ def lm_loss(model, batch: torch.LongTensor, reduction: str = "mean") -> torch.Te
                            reduction=reduction)
 
 
+def bits_per_byte(nats_per_token: float, bytes_per_token: float) -> float:
+    """Cross-entropy in nats per token -> bits per byte of the text (tokenizer-independent)."""
+    return nats_per_token / math.log(2) / bytes_per_token
+
+
 def train_lm(model, train: TokenStream, heldout: dict[str, tuple[TokenStream, float]], config: LoopConfig,
              description: str = "lm") -> dict:
     """Train `model` on `train`; evaluation reports, per held-out set `name -> (stream, bytes per token)`,
@@ -42,7 +47,7 @@ def train_lm(model, train: TokenStream, heldout: dict[str, tuple[TokenStream, fl
                     nats += lm_loss(model, rows.to(model.device), reduction="sum").item()
                     predicted += rows[:, 1:].numel()
             metrics[f"{name}_ce_nats"] = (nats, predicted)
-            metrics[f"{name}_bits_per_byte"] = (nats / math.log(2) / bytes_per_token, predicted)
+            metrics[f"{name}_bits_per_byte"] = (bits_per_byte(nats, bytes_per_token), predicted)
         return metrics
 
     return train_loop(model, loss_fn, eval_fn, config, description)
