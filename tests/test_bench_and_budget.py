@@ -159,27 +159,48 @@ def test_prompt_files(tmp_path):
     assert len(load_prompts("humaneval", 3)) == 3
 
 
-def test_auto_budget_follows_the_cost_curve():
-    tree = chain_tree(0, torch.arange(1, 16), torch.full((15,), -0.05))  # confident drafter: E_n ~ n - 1
-    flat = AutoBudget({1: 1.0, 16: 1.0}, explore_every=10**6)  # verification free at any size (a GPU)
-    assert flat.choose([tree], drafting_seconds=0.1)[0] == 16
-    steep = AutoBudget({1: 1.0, 2: 10.0, 16: 200.0}, explore_every=10**6)  # every extra token very costly
-    assert steep.choose([tree], drafting_seconds=0.1)[0] == 1
-    # a batch: the cost is that of all rows' tokens together, so each row's width shrinks as the batch grows
-    curve = {1: 1.0, 4: 1.05, 8: 1.1, 16: 1.2, 32: 1.5, 64: 2.4, 128: 4.4}  # flat, then linear in total tokens
-    widths = [AutoBudget(curve, explore_every=10**6).choose([tree] * rows, drafting_seconds=0.0)[0]
-              for rows in (1, 2, 4, 8)]
+def test_auto_budget_learns_widths_from_accepted_paths():
+    chain = chain_tree(0, torch.arange(1, 16), torch.full((15,), -0.05))  # 16 nodes: root and a 15-token chain
+    budget = AutoBudget({1: 1.0, 16: 1.0}, explore_every=10**6, prior_misses=0.0)
+    # what verifying each prefix would have yielded: node p adds a token exactly when it is on the accepted path
+    budget.observe([chain.prefix(8)], [[1, 2, 3]], seconds=1.5)
+    assert budget.expected_tokens(8).tolist() == [1, 2, 3, 4, 4, 4, 4, 4]
+    assert budget.overhead[1] == pytest.approx(0.5)  # the step's time besides the measured verification cost
+    # rows that verified fewer places do not count against the places they never had
+    budget.observe([chain.prefix(8), chain.prefix(4)], [[1, 2, 3, 4, 5], [1]], seconds=1.5)
+    rates = budget.accepted_sums[:8] / budget.verified_sums[:8]
+    assert rates[1].item() == pytest.approx(1.0)
+    assert rates[2].item() == pytest.approx((0.99 * 1 + 0.5) / (0.99 * 1 + 1.0))  # both rows verified place 2
+    assert rates[4].item() == pytest.approx(0.5 / (0.99 * 1 + 0.5))  # only the 8-node row verified place 4
+    # a place verified on few steps is shrunk toward "never accepted" by the pseudo-misses
+    shrunk = AutoBudget({1: 1.0, 16: 1.0}, explore_every=10**6, prior_misses=1.0)
+    shrunk.observe([chain.prefix(4)], [[1, 2, 3]], seconds=1.5)
+    assert shrunk.expected_tokens(4).tolist() == [1, 1.5, 2, 2.5]
+
+    def trained(curve: dict[int, float], depth: int, rows: int = 1) -> AutoBudget:
+        """A budget that has seen `depth` drafted tokens accepted on every step of 16-node trees."""
+        learned = AutoBudget(curve, explore_every=10**6)
+        for _ in range(20):
+            learned.observe([chain] * rows, [list(range(1, depth + 1))] * rows, seconds=0.1 + curve[1])
+        return learned
+
+    # verification free at any size (a GPU): every accepted place is worth verifying, nothing past the last
+    assert trained({1: 1.0, 16: 1.0}, depth=10).choose([chain]) == 11
+    # every extra token very costly: plain width 1
+    assert trained({1: 1.0, 2: 10.0, 16: 200.0}, depth=10).choose([chain]) == 1
+    # a batch pays for all rows' tokens together, so each row's width shrinks as the batch grows
+    curve = {1: 1.0, 4: 1.05, 8: 1.1, 16: 1.3, 32: 2.0, 64: 4.0, 128: 8.0}  # flat, then linear in total tokens
+    widths = [trained(curve, depth=12, rows=rows).choose([chain] * rows) for rows in (1, 2, 4, 8)]
     assert widths == sorted(widths, reverse=True) and widths[0] > widths[-1], widths
+    # before anything is measured, and every explore_every-th step, the whole built tree is verified
+    fresh = AutoBudget(curve, explore_every=3)
+    assert fresh.choose([chain.prefix(10)]) == 10
+    fresh.observe([chain.prefix(10)], [[1]], seconds=2.0)
+    assert fresh.choose([chain]) < 16 and fresh.choose([chain]) == 16  # steps 2 and 3: exploit, explore
     # under tensor parallelism the shared (rank 0's) width is the one used and remembered
-    shared = AutoBudget(curve, explore_every=10**6)
-    assert shared.choose([tree], drafting_seconds=0.0, share=lambda width: 3) == (3, pytest.approx(
-        float(tree.path_log_probs[1:3].exp().sum())))
-    assert shared.last_best == 3
-    # calibration: a drafter that is right half as often as it claims gets half the credit
-    budget = AutoBudget({1: 1.0, 16: 2.0}, explore_every=10**6)
-    for _ in range(50):
-        budget.observe(predicted=4.0, accepted=2)
-    assert budget.calibration == pytest.approx(0.5, rel=1e-3)
+    shared = trained(curve, depth=12)
+    assert shared.choose([chain], share=lambda width: 3) == 3 and shared.last_best == 3
+    assert shared.build_size() == 5
 
 
 def test_auto_budget_decoding_is_lossless(models, tmp_path_factory):

@@ -242,3 +242,27 @@ def test_anchors_fall_where_the_loss_mask_counts():
     assert bool(((anchors[0] >= 29) & (anchors[0] <= 36)).all())  # the first drafted token (a + 1) is in it
     assert bool(((anchors[2] >= 4) & (anchors[2] <= 10)).all())
     assert bool(((anchors[1] >= 1) & (anchors[1] <= 36)).all()) and anchors[1].unique().numel() > 10  # no mask: all
+
+
+def test_finished_schedule_continues_at_its_floor_learning_rate(tmp_path, tiny):
+    from treeflash_hf.training.loop import lr_factor
+
+    cosine = LoopConfig(run_dir="x", max_steps=100, warmup_steps=10, min_lr_ratio=0.1)
+    extended = LoopConfig(run_dir="x", max_steps=160, warmup_steps=10, min_lr_ratio=0.1, cosine_steps=100)
+    assert [lr_factor(s, extended) for s in range(100)] == [lr_factor(s, cosine) for s in range(100)]
+    assert all(lr_factor(s, extended) == pytest.approx(0.1) for s in range(100, 160))
+
+
+def test_drafter_init_copies_weights_or_names_the_mismatch(tmp_path, tiny):
+    from treeflash_hf.reference import load_drafter_weights
+
+    target, drafter, _ = tiny
+    drafter.save_pretrained(tmp_path / "earlier")
+    fresh = matching_drafter(target, num_layers=1, block_size=4, seed=7)
+    load_drafter_weights(fresh, tmp_path / "earlier")
+    assert all(torch.equal(a, b) for a, b in zip(fresh.state_dict().values(), drafter.state_dict().values()))
+    deeper = matching_drafter(target, num_layers=2, block_size=4, seed=7)
+    with pytest.raises(ValueError, match="do not fit this drafter's shape"):
+        load_drafter_weights(deeper, tmp_path / "earlier")
+    with pytest.raises(FileNotFoundError, match="no \\*.safetensors"):
+        load_drafter_weights(fresh, tmp_path / "missing")

@@ -3,12 +3,9 @@
 The target's verification cost `c(t)` (seconds for one forward over t tokens on top of a cached prefix) is
 measured once per (model, dtype, device, threads) and cached on disk; a batch of R rows verifying n nodes each
 costs about `c(R * n)` (the same matrix products), so trees shrink as the batch grows. Each step every row's
-tree is built; because best-first pops parents before children, every prefix of a row's node order is a valid
-tree, and the drafter's own estimate of accepted tokens for prefix n is `E_n = sum of path probs of nodes
-1..n-1`. One forward verifies all rows at one width (a narrower row would be padded anyway), so the step keeps
-the width n that maximises expected tokens per second, `sum_rows (1 + calibration * E_n) / (c(R * n) + drafting
-time)`, where `calibration` (observed / predicted accepted tokens, running) corrects the drafter's over- or
-under-confidence.
+tree is built best-first, and one forward verifies the first n nodes of every row (a narrower row would be padded
+anyway). `AutoBudget` picks n from what it has measured: how often the node at each place of the best-first order
+is accepted, and what the rest of a drafted step costs.
 """
 
 from __future__ import annotations
@@ -94,43 +91,56 @@ def verify_cost_curve(target, refresh: bool = False, sync=None) -> dict[int, flo
 
 
 class AutoBudget:
-    """Chooses, per step, the width (nodes per row) of the best-first order every row verifies."""
+    """Chooses, per step, the width (nodes per row) of the best-first order every row verifies, by measured tokens
+    per second.
 
-    def __init__(self, costs: dict[int, float], smoothing: float = 0.9, explore_every: int = 8):
+    Best-first order puts parents before children, so every prefix of a row's node order is a tree, and a row's
+    accepted path within the first n nodes is its accepted path cut at the first node numbered >= n (exact for
+    greedy acceptance; an estimate under sampling, where the walk also depends on siblings). So one verified step
+    shows, for every n up to its width, what verifying n nodes would have yielded: node p (p >= 1) adds a token
+    exactly when it is on the accepted path. `accept_rate[p]` keeps, per place p in the order, how often the node
+    there is accepted (running, over the steps that verified it, shrunk toward 0 where few steps did), and the
+    expected tokens per row of width n are `1 + accept_rate[1:n].sum()`. The step verifies the width maximising expected tokens per second,
+    `rows * tokens(n) / (overhead + c(rows * n))`: `c` is the measured verification cost curve, `overhead` the
+    measured rest of a drafted step (drafting, tree, acceptance) at this number of rows.
+
+    Widths are learned, not predicted from the drafter's own probabilities (a drafter's confidence is a poor
+    guide to the value of its deeper nodes). Every `explore_every`-th step verifies the whole built tree, built
+    twice as large as the last choice, so the rates of places past the current width stay measured and the width
+    can grow.
+    """
+
+    def __init__(self, costs: dict[int, float], smoothing: float = 0.99, explore_every: int = 4,
+                 first_width: int = 16, prior_misses: float = 1.0, narrower_within: float = 0.01):
         sizes = sorted(costs)
         self.max_size = sizes[-1]  # largest measured forward, in total tokens
-        # cost of every t in 1..max_size, linear between measured sizes
-        self.cost = torch.tensor([self._interpolate(costs, sizes, n) for n in range(1, self.max_size + 1)])
+        # cost of every t in 1..max_size, linear between measured sizes, made non-decreasing (a measured bump, e.g.
+        # 2 tokens timed slower than 4, is noise; left in, it would make widths just before it look cheap)
+        cost = torch.tensor([self._interpolate(costs, sizes, n) for n in range(1, self.max_size + 1)],
+                            dtype=torch.float64)
+        self.cost = cost.flip(0).cummin(0).values.flip(0)
         self.per_token_beyond = (costs[sizes[-1]] - costs[sizes[-2]]) / (sizes[-1] - sizes[-2]) if len(sizes) > 1 \
             else costs[sizes[-1]]
-        self.calibration = 1.0
         self.smoothing = smoothing
-        self.last_best = 16
-        # Every `explore_every`-th step verifies the whole built trees, so that calibration also sees how the
-        # drafter's estimate holds for bigger trees than the ones it currently picks (it would never learn that
-        # an under-confident drafter deserves more nodes otherwise).
         self.explore_every = explore_every
+        # A place seen on few steps (only the exploring ones verify past the current width) is shrunk toward "never
+        # accepted" by `prior_misses` pseudo-verifications, and among widths whose rate is within `narrower_within`
+        # of the best the narrowest wins: on a flat cost curve the noise of rarely verified places would otherwise
+        # decide the width.
+        self.prior_misses = prior_misses
+        self.narrower_within = narrower_within
+        self.last_best = first_width
         self.steps = 0
-        self.predicted_total = 0.0
-        self.observed_total = 0.0
-        # Drafting time = fixed + per_node * nodes built (the tree stage grows with the size), fitted online by
-        # least squares over exponentially weighted (nodes built over all rows, seconds) pairs.
-        self.fit = torch.zeros(5, dtype=torch.float64)  # sums of w, x, y, x*x, x*y
+        # per place p = 0..max_size-1 in the best-first order: decayed count of acceptances and of verifications
+        self.accepted_sums = torch.zeros(self.max_size, dtype=torch.float64)
+        self.verified_sums = torch.zeros(self.max_size, dtype=torch.float64)
+        self.overhead: dict[int, float] = {}  # rows -> recent seconds of a drafted step besides the verification
 
     def verify_cost(self, total_tokens: torch.Tensor) -> torch.Tensor:
         """Seconds of one forward over `total_tokens` (any shape of ints >= 1), extrapolated linearly past the
         largest measured size."""
         inside = self.cost[(total_tokens.clamp(max=self.max_size) - 1).long()]
         return inside + (total_tokens - self.max_size).clamp(min=0) * self.per_token_beyond
-
-    def drafting_cost(self, nodes: torch.Tensor) -> torch.Tensor:
-        w, x, y, xx, xy = self.fit.tolist()
-        if w == 0:
-            return torch.zeros(nodes.shape)
-        variance = xx / w - (x / w) ** 2
-        slope = max(0.0, (xy / w - (x / w) * (y / w)) / variance) if variance > 1e-9 else 0.0
-        intercept = y / w - slope * x / w
-        return (intercept + slope * nodes.double()).float()
 
     @staticmethod
     def _interpolate(costs, sizes, n):
@@ -141,60 +151,68 @@ class AutoBudget:
         weight = (n - lower) / (upper - lower)
         return costs[lower] * (1 - weight) + costs[upper] * weight
 
-    def choose(self, trees: list[DraftTree], drafting_seconds: float, share=None) -> tuple[int, float]:
-        """The width every row verifies (each row keeps the first `width` nodes of its tree) and the predicted
-        accepted tokens over all rows. `drafting_seconds` is what drafting these trees took; it feeds the
-        drafting-cost model. `share(width) -> width` (tensor parallelism: rank 0's width on every rank) settles
-        the width before it is recorded."""
-        built = float(sum(tree.size for tree in trees))
-        self.fit.mul_(self.smoothing).add_(torch.tensor([1.0, built, drafting_seconds, built * built,
-                                                         built * drafting_seconds], dtype=torch.float64))
+    def expected_tokens(self, width: int) -> torch.Tensor:
+        """`[width]`: expected tokens per row when verifying the first n = 1..width nodes (places never verified
+        count as never accepted)."""
+        rates = self.accepted_sums[:width] / (self.verified_sums[:width] + self.prior_misses)
+        rates[0] = 0.0  # the root is not a drafted token; its one token is the 1 below
+        return 1.0 + rates.cumsum(0)
+
+    def choose(self, trees: list[DraftTree], share=None) -> int:
+        """The width every row verifies (each row keeps the first `width` nodes of its tree). `share(width) ->
+        width` (tensor parallelism: rank 0's width on every rank) settles the width before it is recorded."""
         self.steps += 1
-        exploring = self.steps % self.explore_every == 0
+        rows = len(trees)
+        largest = min(max(tree.size for tree in trees), max(1, self.max_size // rows))
+        measured = int((self.verified_sums[1:largest] > 0).sum()) + 1  # widths whose every place was verified
+        exploring = (rows not in self.overhead or measured < 2 or self.steps % self.explore_every == 0)
         if exploring:
-            width = max(tree.size for tree in trees)
+            width = largest
         else:
-            width = self.best_width(trees, self.calibration, self.drafting_cost)
+            sizes = torch.arange(1, measured + 1)
+            rate = self.expected_tokens(measured) / (self.overhead[rows] + self.verify_cost(rows * sizes))
+            width = int((rate >= (1 - self.narrower_within) * rate.max()).nonzero()[0]) + 1
         width = width if share is None else share(width)
         if not exploring:
             self.last_best = width
-        return width, float(self.prefix_expected(trees, width)[:, -1].sum())
+        return width
+
+    def observe(self, trees: list[DraftTree], paths: list[list[int]], seconds: float) -> None:
+        """One verified drafted step: the rows' verified trees, each row's accepted path (node numbers) and the
+        step's wall time from drafting to acceptance."""
+        rows = len(trees)
+        width = max(tree.size for tree in trees)
+        accepted = torch.zeros(width, dtype=torch.float64)
+        verified = torch.zeros(width, dtype=torch.float64)
+        for tree, path in zip(trees, paths):
+            verified[: tree.size] += 1
+            accepted[path] += 1
+        self.accepted_sums[:width] = self.smoothing * self.accepted_sums[:width] + accepted / rows
+        self.verified_sums[:width] = self.smoothing * self.verified_sums[:width] + verified / rows
+        rest = max(0.0, seconds - float(self.verify_cost(torch.tensor(rows * width))))
+        old = self.overhead.get(rows)
+        self.overhead[rows] = rest if old is None else 0.8 * old + 0.2 * rest
 
     def choose_lookup(self, chains: list[DraftTree], share=None) -> int:
-        """The width of lookup branches verified alone (no drafting cost; their probabilities are already
-        calibrated by the lookup's own acceptance rates)."""
-        width = self.best_width(chains, 1.0, torch.zeros_like)
-        return width if share is None else share(width)
-
-    @staticmethod
-    def prefix_expected(trees: list[DraftTree], width: int) -> torch.Tensor:
-        """`[R, width]`: E_n per row, the drafter's expected accepted tokens of the first n nodes, n = 1..width
-        (constant past a row's own size)."""
-        rows = torch.zeros(len(trees), width)
-        for row, tree in enumerate(trees):
-            sums = tree.path_log_probs[1:width].exp().cumsum(0)
-            rows[row, 1 : 1 + sums.shape[0]] = sums
-            if sums.shape[0] + 1 < width:
-                rows[row, sums.shape[0] + 1 :] = rows[row, sums.shape[0]]
-        return rows
-
-    def best_width(self, trees: list[DraftTree], calibration: float, extra_cost) -> int:
-        """The width n maximising `sum_rows (1 + calibration * E_n) / (c(R * n) + extra)`, where
-        `extra_cost(nodes)` adds seconds for the nodes of all rows (e.g. drafting)."""
-        rows = len(trees)
-        width = min(max(tree.size for tree in trees), max(1, self.max_size // rows))
-        expected = self.prefix_expected(trees, width).sum(dim=0)  # [width]
+        """The width of lookup branches verified alone: their path probabilities come from the lookup's own
+        learned acceptance rates, so the width maximising `sum_rows (1 + E_n) / c(rows * n)` is used, where
+        `E_n` is a row's expected accepted tokens of its first n nodes."""
+        rows = len(chains)
+        width = min(max(chain.size for chain in chains), max(1, self.max_size // rows))
+        expected = torch.zeros(width, dtype=torch.float64)
+        for chain in chains:
+            sums = chain.path_log_probs[1:width].double().exp().cumsum(0)
+            expected[1 : 1 + sums.shape[0]] += sums
+            expected[1 + sums.shape[0] :] += sums[-1] if sums.shape[0] else 0.0
         sizes = torch.arange(1, width + 1)
-        rate = (rows + calibration * expected) / (self.verify_cost(rows * sizes) + extra_cost(rows * sizes))
-        return int(rate.argmax()) + 1
+        best = int(((rows + expected) / self.verify_cost(rows * sizes)).argmax()) + 1
+        return best if share is None else share(best)
 
     def build_size(self, rows: int = 1) -> int:
-        """How big a tree to build per row before choosing the width: room to grow past the last choice."""
-        return min(max(1, self.max_size // rows), max(4, self.last_best + max(2, self.last_best // 2)))
+        """How big a tree to build per row before choosing the width: room to grow past the last choice (twice
+        the last choice on an exploring step)."""
+        exploring = (self.steps + 1) % self.explore_every == 0
+        size = max(8, 2 * self.last_best) if exploring else max(4, self.last_best + max(2, self.last_best // 2))
+        return min(max(1, self.max_size // rows), size)
 
-    def observe(self, predicted: float, accepted: int) -> None:
-        """The predicted and the observed accepted tokens of one step (over all rows)."""
-        self.predicted_total = self.smoothing * self.predicted_total + predicted
-        self.observed_total = self.smoothing * self.observed_total + accepted
-        if self.predicted_total > 1e-6:
-            self.calibration = min(4.0, max(0.05, self.observed_total / self.predicted_total))
+

@@ -1,7 +1,7 @@
 """What the decoding loop learns as it runs, kept across `generate()` calls for the same drafter and target.
 
 The lookup branch's acceptance rates (`LookupRates`), each step kind's measured time and yield
-(`StepScheduler`) and, under `tree_budget="auto"`, the drafter's calibration and drafting-cost fit
+(`StepScheduler`) and, under `tree_budget="auto"`, the per-place acceptance rates and step overhead
 (`AutoBudget`) are properties of the pair on this device under these decoding settings, not of one prompt. A
 100-token call has ~40 steps, too few to learn them afresh each time, so they carry over to the next call
 (transformers' assisted generation likewise carries its assistant's `num_assistant_tokens` across calls). They

@@ -165,6 +165,34 @@ def save_model(model, out_dir: Path, summary: dict, dtype: torch.dtype, descript
     write_readme(out_dir, description, summary, sum(p.numel() for p in model.parameters()), dtype)
 
 
+def load_drafter_weights(drafter, folder: Path) -> None:
+    """Copy the weights of the drafter saved in `folder` into `drafter` (same shapes), or say what differs."""
+    from safetensors.torch import load_file
+
+    files = sorted(folder.glob("*.safetensors"))
+    if not files:
+        raise FileNotFoundError(f"--drafter-init {folder}: no *.safetensors weights there; pass a drafter folder "
+                                f"written by `treeflash-hf reference build`.")
+    state = {k: v for f in files for k, v in load_file(str(f)).items()}
+    own = drafter.state_dict()
+    wrong = sorted(k for k in own if k not in state or state[k].shape != own[k].shape)
+    if wrong:
+        raise ValueError(f"--drafter-init {folder}: its weights do not fit this drafter's shape ({len(wrong)} "
+                         f"tensors missing or of another shape, e.g. {wrong[0]}); build with the same drafter "
+                         f"options as that drafter, or drop --drafter-init.")
+    drafter.load_state_dict({k: state[k].to(own[k].dtype) for k in own})
+
+
+def earlier_training(folder: Path, stage: str) -> dict:
+    """What the drafter in `folder` had been trained for in `stage` (from its training_summary.json, if any)."""
+    record = {"folder": str(folder)}
+    summary_file = folder / "training_summary.json"
+    if summary_file.exists():
+        earlier = json.loads(summary_file.read_text()).get(stage, {})
+        record.update({key: earlier[key] for key in ("steps", "tokens", "minutes") if key in earlier})
+    return record
+
+
 def write_readme(out_dir: Path, description: str, summary: dict, params: int, dtype: torch.dtype) -> None:
     stages = summary if all(isinstance(v, dict) and "curve" in v for v in summary.values()) else {"": summary}
     dtype_name = str(dtype).removeprefix("torch.")
@@ -179,6 +207,10 @@ def write_readme(out_dir: Path, description: str, summary: dict, params: int, dt
         runs = info.get("runs", [])
         in_runs = f" in {len(runs)} runs (resumed at step {', '.join(str(r['from_step']) for r in runs[1:])})" \
             if len(runs) > 1 else ""
+        earlier = info.get("initialized_from")
+        if earlier and "steps" in earlier:
+            in_runs += (f", fine-tuned from an earlier drafter ({earlier['steps']} steps, {earlier['tokens']:,} "
+                        f"tokens, {earlier['minutes']:.1f} min)")
         lines.append(f"- {name}{info['steps']} steps, {info['tokens']:,} tokens, {info['minutes']:.1f} min on "
                      f"{info.get('device', 'cpu')}{in_runs}; final held-out {final}")
     (out_dir / "README.md").write_text("\n".join(lines) + "\n")
@@ -310,7 +342,7 @@ def build(args: argparse.Namespace) -> int:
     tokenizer, corpus, streams = prepare_corpus(args, out, work)
     vocab = len(tokenizer)
 
-    def lm_stage(name: str, config: Qwen3Config, minutes: float, steps: int | None, lr: float):
+    def lm_stage(name: str, config: Qwen3Config, minutes: float, steps: int | None, lr: float, extra_steps: int = 0):
         if (out / name / "config.json").exists():
             return
         torch.manual_seed(0)
@@ -323,9 +355,11 @@ def build(args: argparse.Namespace) -> int:
         probe = Qwen3ForCausalLM(config).to(device)  # a throwaway copy times the steps
         max_steps = schedule_length(
             run_dir, minutes, lambda s: lm_loss(probe, train.batch(s, batch).to(device)).backward(), steps)
-        loop = LoopConfig(run_dir=str(run_dir), max_steps=max_steps, max_minutes=minutes * 1.15, batch_size=batch,
-                          lr=lr, warmup_steps=min(100, max_steps // 10), eval_every=max(50, max_steps // 10),
-                          save_every=max(50, max_steps // 20), resume=True, mixed_precision=precision)
+        # extra_steps continue a finished schedule at its floor learning rate (the cosine keeps its length)
+        loop = LoopConfig(run_dir=str(run_dir), max_steps=max_steps + extra_steps, max_minutes=minutes * 1.15,
+                          batch_size=batch, lr=lr, warmup_steps=min(100, max_steps // 10),
+                          eval_every=max(50, max_steps // 10), save_every=max(50, max_steps // 20), resume=True,
+                          mixed_precision=precision, cosine_steps=max_steps)
         summary = train_lm(model, train, heldout, loop, description=name)
         summary["loop"] = loop.__dict__
         summary["device"] = str(device)
@@ -351,7 +385,7 @@ def build(args: argparse.Namespace) -> int:
     # 1. the target
     if "target" in args.stages:
         lm_stage("target", qwen3(args.hidden, args.layers, args.heads, args.kv_heads, args.intermediate),
-                 args.target_minutes, args.target_steps, args.lr)
+                 args.target_minutes, args.target_steps, args.lr, args.target_extra_steps)
 
     # 2. the drafter: backbone on the corpus, then the AR layer (backbone frozen) on self-distilled data
     if "drafter" in args.stages and not (out / "drafter" / "config.json").exists():
@@ -367,6 +401,8 @@ def build(args: argparse.Namespace) -> int:
         )
         torch.manual_seed(0)
         drafter = TreeFlashDrafterModel(config).to(device)
+        if args.drafter_init:  # fine-tune an earlier drafter of this recipe (e.g. after the target trained on)
+            load_drafter_weights(drafter, Path(args.drafter_init))
         seq_len, batch = args.drafter_seq_len, args.drafter_batch_size
         sd_dir = work / "self-distillation"
         if not (sd_dir / "dataset").exists():
@@ -414,6 +450,8 @@ def build(args: argparse.Namespace) -> int:
             summary = train_drafter(target, drafter, train, heldout, loss_config, loop)
             summary["loop"] = loop.__dict__
             summary["device"] = str(device)
+            if args.drafter_init:
+                summary["initialized_from"] = earlier_training(Path(args.drafter_init), stage)
             summaries[stage] = summary
         for param in drafter.parameters():
             param.requires_grad = True
@@ -487,6 +525,11 @@ def add_parser(subparsers) -> None:
     b.add_argument("--lr", type=float, default=1.5e-3)
     b.add_argument("--target-minutes", type=float, default=120)
     b.add_argument("--target-steps", type=int, help="schedule length (default: what fits --target-minutes)")
+    b.add_argument("--target-extra-steps", type=int, default=0,
+                   help="continue a finished target schedule for this many steps at its floor learning rate "
+                        "(delete OUT/target first so the stage runs again; the drafter must then be retrained)")
+    b.add_argument("--drafter-init", help="start the drafter from this earlier drafter folder of the same shape "
+                                          "(fine-tuning after the target trained on) instead of from scratch")
     b.add_argument("--drafter-layers", type=int, default=1)
     b.add_argument("--drafter-intermediate", type=int, default=768)
     b.add_argument("--context-layers", type=int, default=5)

@@ -29,7 +29,9 @@ class LoopConfig:
     """run_dir: checkpoints and curve.jsonl; max_steps: schedule length; max_minutes: stop early (and save)
     when the wall-clock budget is spent; batch_size: rows per step over all processes together; eval_every /
     save_every: in steps; resume: continue from `latest`; mixed_precision: "no", "bf16" or "fp16"
-    (accelerate's autocast around every loss and evaluation; the weights and optimizer state stay float32)."""
+    (accelerate's autocast around every loss and evaluation; the weights and optimizer state stay float32);
+    cosine_steps: where the cosine reaches `min_lr_ratio` (default `max_steps`); steps past it stay at the floor,
+    so a finished schedule can be continued by raising `max_steps` alone."""
 
     run_dir: str
     max_steps: int = 1000
@@ -45,6 +47,7 @@ class LoopConfig:
     seed: int = 0
     resume: bool = False
     mixed_precision: str = "no"
+    cosine_steps: int | None = None
     extra: dict = field(default_factory=dict)
 
 
@@ -76,7 +79,8 @@ class LossTerms:
 def lr_factor(step: int, config: LoopConfig) -> float:
     if step < config.warmup_steps:
         return (step + 1) / config.warmup_steps
-    progress = min(1.0, (step - config.warmup_steps) / max(1, config.max_steps - config.warmup_steps))
+    cosine_steps = config.cosine_steps or config.max_steps
+    progress = min(1.0, (step - config.warmup_steps) / max(1, cosine_steps - config.warmup_steps))
     return config.min_lr_ratio + (1 - config.min_lr_ratio) * 0.5 * (1 + math.cos(math.pi * progress))
 
 

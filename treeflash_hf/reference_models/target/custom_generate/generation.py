@@ -170,14 +170,13 @@ class Rows:
 class StepPlan:
     """What one step verifies. kind: `"draft"`, `"lookup"` or `"plain"` (see `lookup.StepScheduler`); trees: one per
     row; branches / ngrams / branch_expected: each row's lookup branch (tokens, log-probs), its n-gram order and its
-    expected accepted tokens (None: no branch); predicted: auto's predicted accepted tokens of a drafted step."""
+    expected accepted tokens (None: no branch)."""
 
     kind: str
     trees: list
     branches: list[tuple[list[int], list[float]]]
     ngrams: list[int]
     branch_expected: list[float | None]
-    predicted: float | None = None
 
 
 def lookup_branches(rows: Rows, lookup_rates, lengths: list[int]):
@@ -194,7 +193,7 @@ def lookup_branches(rows: Rows, lookup_rates, lengths: list[int]):
 
 
 def plan_step(rows: Rows, options: TreeOptions, learned, generator: TreeFlashCandidateGenerator,
-              max_length: int, sync: DecisionSync, started: float) -> StepPlan:
+              max_length: int, sync: DecisionSync) -> StepPlan:
     """Stages 1-3 for every row: the lookup branches, the step kind, and (on a draft step) one batched drafter
     forward and each row's tree; under `tree_budget="auto"`, the width every row verifies."""
     auto_budget, schedule = learned.auto_budget, learned.schedule
@@ -226,10 +225,7 @@ def plan_step(rows: Rows, options: TreeOptions, learned, generator: TreeFlashCan
                   for tokens, log_probs in branches]
         plan.trees = generator.build_trees(blocks, budget, capped)
         if auto_budget is not None:
-            if generator.device.type == "cuda":
-                torch.cuda.synchronize(generator.device)
-            width, plan.predicted = auto_budget.choose(plan.trees, time.perf_counter() - started,
-                                                       share=sync.share_int)
+            width = auto_budget.choose(plan.trees, share=sync.share_int)
             plan.trees = [tree.prefix(min(width, tree.size)) for tree in plan.trees]
     return plan
 
@@ -256,14 +252,14 @@ def accept_all(trees: TreeBatch, logits: torch.Tensor, rows: Rows, process: RowP
 
 def learn_from_step(learned, plan: StepPlan, accepted: list[Acceptance], seconds: float) -> None:
     """Feed what the step showed to the state carried across calls: lookup acceptance rates, the scheduler's times
-    and yields, auto's calibration."""
+    and yields, auto's per-place acceptance rates."""
     for (tokens, _), ngram, result in zip(plan.branches, plan.ngrams, accepted):
         if tokens:
             learned.lookup_rates.observe(ngram, tokens, result.tokens)
     accepted_lengths = [len(result.path) for result in accepted]
     learned.schedule.observe(plan.kind, seconds, accepted_lengths, plan.branch_expected)
     if learned.auto_budget is not None and plan.kind == "draft":
-        learned.auto_budget.observe(plan.predicted, sum(accepted_lengths))
+        learned.auto_budget.observe(plan.trees, [result.path for result in accepted], seconds)
 
 
 @torch.no_grad()
@@ -353,7 +349,7 @@ def treeflash_decode(
             break
         # draft -> build trees -> verify -> accept
         started = time.perf_counter()
-        plan = plan_step(rows, options, learned, generator, generation_config.max_length, sync, started)
+        plan = plan_step(rows, options, learned, generator, generation_config.max_length, sync)
         trees = TreeBatch.pack(plan.trees)
         past_len = cache.get_seq_length()
         logits, hidden_states = verify_trees(target, trees, cache, rows.root_positions, rows.key_valid, layer_ids,

@@ -148,7 +148,8 @@ class StepScheduler:
     allow_plain: bool = False
     explore_every: int = 4
     max_explore_every: int = 64
-    smoothing: float = 0.8
+    smoothing: float = 0.8  # step times
+    yield_smoothing: float = 0.95  # tokens per draft step: one step's yield varies far more than its time
     seconds: dict[tuple[str, int], float] = field(default_factory=dict)  # (kind, rows) -> recent step time
     draft_tokens: float | None = None
     drafter_gain: float | None = None
@@ -200,15 +201,15 @@ class StepScheduler:
     def observe(self, kind: str, seconds: float, accepted: list[int], branch_expected: list[float | None]) -> None:
         """One verified step: its kind, wall time (drafting to acceptance), and per row the accepted drafted tokens
         and the lookup branch's expected accepted tokens (None: no branch)."""
-        def ema(old: float | None, new: float) -> float:
-            return new if old is None else self.smoothing * old + (1 - self.smoothing) * new
+        def ema(old: float | None, new: float, smoothing: float) -> float:
+            return new if old is None else smoothing * old + (1 - smoothing) * new
 
         key = (kind, len(accepted))
-        self.seconds[key] = ema(self.seconds.get(key), seconds)
+        self.seconds[key] = ema(self.seconds.get(key), seconds, self.smoothing)
         if kind != "draft":
             return
         for row_accepted, expected in zip(accepted, branch_expected):
             if expected is None:
-                self.draft_tokens = ema(self.draft_tokens, 1 + row_accepted)
+                self.draft_tokens = ema(self.draft_tokens, 1 + row_accepted, self.yield_smoothing)
             else:
-                self.drafter_gain = ema(self.drafter_gain, row_accepted - expected)
+                self.drafter_gain = ema(self.drafter_gain, row_accepted - expected, self.yield_smoothing)
