@@ -167,13 +167,12 @@ def save_model(model, out_dir: Path, summary: dict, dtype: torch.dtype, descript
 
 def load_drafter_weights(drafter, folder: Path) -> None:
     """Copy the weights of the drafter saved in `folder` into `drafter` (same shapes), or say what differs."""
-    from safetensors.torch import load_file
+    from .convert import read_weights
 
-    files = sorted(folder.glob("*.safetensors"))
-    if not files:
+    if not any(folder.glob("*.safetensors")):
         raise FileNotFoundError(f"--drafter-init {folder}: no *.safetensors weights there; pass a drafter folder "
                                 f"written by `treeflash-hf reference build`.")
-    state = {k: v for f in files for k, v in load_file(str(f)).items()}
+    state = read_weights(folder)  # a truncated or corrupt file gets its own clear error
     own = drafter.state_dict()
     wrong = sorted(k for k in own if k not in state or state[k].shape != own[k].shape)
     if wrong:

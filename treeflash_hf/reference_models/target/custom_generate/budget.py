@@ -98,11 +98,12 @@ class AutoBudget:
     accepted path within the first n nodes is its accepted path cut at the first node numbered >= n (exact for
     greedy acceptance; an estimate under sampling, where the walk also depends on siblings). So one verified step
     shows, for every n up to its width, what verifying n nodes would have yielded: node p (p >= 1) adds a token
-    exactly when it is on the accepted path. `accept_rate[p]` keeps, per place p in the order, how often the node
-    there is accepted (running, over the steps that verified it, shrunk toward 0 where few steps did), and the
-    expected tokens per row of width n are `1 + accept_rate[1:n].sum()`. The step verifies the width maximising expected tokens per second,
-    `rows * tokens(n) / (overhead + c(rows * n))`: `c` is the measured verification cost curve, `overhead` the
-    measured rest of a drafted step (drafting, tree, acceptance) at this number of rows.
+    exactly when it is on the accepted path. Per place p in the order, the acceptance rate `accepted_sums[p] /
+    verified_sums[p]` (decayed counts over the steps that verified p, shrunk toward 0 where few steps did) gives
+    the expected tokens per row of width n, `tokens(n) = 1 + rate[1:n].sum()`. The step verifies the width
+    maximising expected tokens per second, `tokens(n) / (overhead + c(rows * n))`: `c` is the measured
+    verification cost curve, `overhead` the measured rest of a drafted step (drafting, tree, acceptance) at this
+    number of rows.
 
     Widths are learned, not predicted from the drafter's own probabilities (a drafter's confidence is a poor
     guide to the value of its deeper nodes). Every `explore_every`-th step verifies the whole built tree, built
@@ -135,6 +136,7 @@ class AutoBudget:
         self.accepted_sums = torch.zeros(self.max_size, dtype=torch.float64)
         self.verified_sums = torch.zeros(self.max_size, dtype=torch.float64)
         self.overhead: dict[int, float] = {}  # rows -> recent seconds of a drafted step besides the verification
+        self.overhead_smoothing = 0.8  # a step's time varies little: follow it closely
 
     def verify_cost(self, total_tokens: torch.Tensor) -> torch.Tensor:
         """Seconds of one forward over `total_tokens` (any shape of ints >= 1), extrapolated linearly past the
@@ -154,18 +156,22 @@ class AutoBudget:
     def expected_tokens(self, width: int) -> torch.Tensor:
         """`[width]`: expected tokens per row when verifying the first n = 1..width nodes (places never verified
         count as never accepted)."""
+        # place 0, the root, is on no accepted path (paths list drafted nodes), so its rate is 0: tokens(1) = 1
         rates = self.accepted_sums[:width] / (self.verified_sums[:width] + self.prior_misses)
-        rates[0] = 0.0  # the root is not a drafted token; its one token is the 1 below
         return 1.0 + rates.cumsum(0)
+
+    def widest(self, trees: list[DraftTree]) -> int:
+        """The widest width these rows can verify: their largest tree, within the largest measured forward."""
+        return min(max(tree.size for tree in trees), max(1, self.max_size // len(trees)))
 
     def choose(self, trees: list[DraftTree], share=None) -> int:
         """The width every row verifies (each row keeps the first `width` nodes of its tree). `share(width) ->
         width` (tensor parallelism: rank 0's width on every rank) settles the width before it is recorded."""
         self.steps += 1
         rows = len(trees)
-        largest = min(max(tree.size for tree in trees), max(1, self.max_size // rows))
+        largest = self.widest(trees)
         measured = int((self.verified_sums[1:largest] > 0).sum()) + 1  # widths whose every place was verified
-        exploring = (rows not in self.overhead or measured < 2 or self.steps % self.explore_every == 0)
+        exploring = rows not in self.overhead or measured < 2 or self.steps % self.explore_every == 0
         if exploring:
             width = largest
         else:
@@ -191,14 +197,15 @@ class AutoBudget:
         self.verified_sums[:width] = self.smoothing * self.verified_sums[:width] + verified / rows
         rest = max(0.0, seconds - float(self.verify_cost(torch.tensor(rows * width))))
         old = self.overhead.get(rows)
-        self.overhead[rows] = rest if old is None else 0.8 * old + 0.2 * rest
+        self.overhead[rows] = rest if old is None else \
+            self.overhead_smoothing * old + (1 - self.overhead_smoothing) * rest
 
     def choose_lookup(self, chains: list[DraftTree], share=None) -> int:
         """The width of lookup branches verified alone: their path probabilities come from the lookup's own
         learned acceptance rates, so the width maximising `sum_rows (1 + E_n) / c(rows * n)` is used, where
         `E_n` is a row's expected accepted tokens of its first n nodes."""
         rows = len(chains)
-        width = min(max(chain.size for chain in chains), max(1, self.max_size // rows))
+        width = self.widest(chains)
         expected = torch.zeros(width, dtype=torch.float64)
         for chain in chains:
             sums = chain.path_log_probs[1:width].double().exp().cumsum(0)
