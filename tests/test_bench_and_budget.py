@@ -184,8 +184,10 @@ def test_auto_budget_learns_widths_from_accepted_paths():
             learned.observe([chain] * rows, [list(range(1, depth + 1))] * rows, seconds=0.1 + curve[1])
         return learned
 
-    # verification free at any size (a GPU): every accepted place is worth verifying, nothing past the last
-    assert trained({1: 1.0, 16: 1.0}, depth=10).choose([chain]) == 11
+    # verification nearly free (a GPU): every accepted place is worth verifying, nothing past the last
+    assert trained({1: 1.0, 16: 1.05}, depth=10).choose([chain]) == 11
+    # ... and where a wider tree costs nothing more, the last width stays: no width beats it by the margin
+    assert trained({1: 1.0, 16: 1.0}, depth=10).choose([chain]) == 16
     # every extra token very costly: plain width 1
     assert trained({1: 1.0, 2: 10.0, 16: 200.0}, depth=10).choose([chain]) == 1
     # a batch pays for all rows' tokens together, so each row's width shrinks as the batch grows
@@ -200,7 +202,13 @@ def test_auto_budget_learns_widths_from_accepted_paths():
     # under tensor parallelism the shared (rank 0's) width is the one used and remembered
     shared = trained(curve, depth=12)
     assert shared.choose([chain], share=lambda width: 3) == 3 and shared.last_best == 3
-    assert shared.build_size() == 5
+    assert shared.build_size() == 8  # at least 8, else the last choice and a quarter more (at least 4)
+    wide = trained(curve, depth=12)
+    wide.last_best = 40
+    assert wide.build_size() == 50
+    # a width forced by trees cut short (the end of a call) is used, not remembered for the next call
+    assert wide.choose([chain.prefix(6)]) == 6 and wide.last_best == 40
+    assert wide.choose([chain]) < 16 and wide.last_best < 16  # an ordinary choice is remembered
 
 
 def test_auto_budget_decoding_is_lossless(models, tmp_path_factory):

@@ -101,6 +101,16 @@ def test_scheduler_skips_the_drafter_only_when_that_is_faster():
     assert [auto.choose([None]) for _ in range(4)] == ["draft", "plain", "draft", "draft"]
     auto.draft_tokens = 2.0
     assert [auto.choose([None]) for _ in range(3)] == ["plain", "plain", "draft"]
+    # A plain step costs at least the target's forward over one token per row: judged at that bound until it is
+    # measured, and not tried while it would lose even at the bound
+    bounded = StepScheduler(allow_plain=True, explore_every=2)
+    bounded.observe("draft", seconds=0.010, accepted=[1], branch_expected=[None])  # 2 tokens in 10 ms
+    assert [bounded.choose([None], lower_bounds={"plain": 0.006}) for _ in range(6)] == ["draft"] * 6
+    assert bounded.choose([None], lower_bounds={"plain": 0.004}) == "plain"  # 1 token in 4 ms could win: tried
+    bounded.observe("plain", seconds=0.0055, accepted=[0], branch_expected=[None])  # measured: it loses
+    assert [bounded.choose([None], lower_bounds={"plain": 0.004}) for _ in range(4)] == ["draft", "plain"] + \
+        ["draft"] * 2  # it could still win at its bound: retried after its wait
+    assert [bounded.choose([None], lower_bounds={"plain": 0.006}) for _ in range(8)] == ["draft"] * 8
     # A batch step is judged on the batch: tokens summed over rows, times learned per number of rows.
     batched = StepScheduler(allow_plain=True, explore_every=1000)
     batched.observe("draft", seconds=0.010, accepted=[1], branch_expected=[None])
@@ -140,11 +150,11 @@ def test_greedy_output_with_lookup_is_the_targets(looping_pair, mode, budget, sc
     target, drafter = looping_pair
     if schedule == "always_lookup":
         monkeypatch.setattr(StepScheduler, "choose",
-                            lambda self, branches, share=None: "draft" if branches == [None] else "lookup")
+                            lambda self, branches, **_: "draft" if branches == [None] else "lookup")
     if schedule == "lookup_or_plain":  # every kind of step, the drafter skipped as often as possible
         kinds = iter(["draft", "plain", "plain"] * 100)
         monkeypatch.setattr(StepScheduler, "choose",
-                            lambda self, branches, share=None: next(kinds) if branches == [None] else "lookup")
+                            lambda self, branches, **_: next(kinds) if branches == [None] else "lookup")
     options = TreeOptions(tree_mode=mode, tree_budget=budget, tree_top_m=4, tree_top_k=4, tree_lookup=5)
     skipped_steps = 0
     for prompt in ([[3, 1, 4, 1, 5]], [[2, 7, 1, 8, 2, 8]]):

@@ -82,7 +82,7 @@ def test_speculative_sampling_matches_target_distribution(peaked_pair, mode, bud
     target, drafter = peaked_pair
     if lookup == "only":
         monkeypatch.setattr(StepScheduler, "choose",
-                            lambda self, branches, share=None: "draft" if branches == [None] else "lookup")
+                            lambda self, branches, **_: "draft" if branches == [None] else "lookup")
         lookup = 3
     prompt = torch.tensor([[1, 4, 2]])
     expected = exact_joint(target, prompt, TEMPERATURE)

@@ -141,7 +141,8 @@ class StepScheduler:
     forward over more rows costs more). Each kind is tried once per batch size before it is judged. A kind that
     loses is still taken once it has waited `explore_every` steps, so that its figures stay current (one unlucky
     measurement cannot exclude it for good); each such try that does not change the verdict doubles that kind's
-    wait (up to `max_explore_every`), and winning resets it. Skipping the drafter loses nothing: it receives the
+    wait (up to `max_explore_every`), and winning resets it. A kind with a known lower bound on its time (plain steps: the target's
+    forward alone) is not tried while it would lose even at that bound. Skipping the drafter loses nothing: it receives the
     skipped positions' context with its next draft (a longer drafter forward, measured like any other draft).
     """
 
@@ -172,21 +173,28 @@ class StepScheduler:
             tokens["plain"] = float(len(branch_expected))
         return tokens
 
-    def choose(self, branch_expected: list[float | None], share=None) -> str:
+    def choose(self, branch_expected: list[float | None], share=None,
+               lower_bounds: dict[str, float] | None = None) -> str:
         """The kind of the next step, given each row's lookup-branch expected accepted tokens (None: no branch).
         `share(kind) -> kind` (tensor parallelism: rank 0's choice on every rank) settles the choice before this
-        scheduler records it."""
+        scheduler records it. `lower_bounds`: per kind, a known lower bound of its step time at this number of
+        rows (a plain step costs at least the target's forward over one token per row): such a kind is judged at
+        its bound until measured, and is explored only while it would win at its bound."""
         rows = len(branch_expected)
+        bounds = lower_bounds or {}
         tokens = self.expected_tokens(branch_expected)
         for kind in tokens:
             self.waited[kind] = self.waited.get(kind, 0) + 1
-        untried = [kind for kind in tokens if (kind, rows) not in self.seconds or tokens[kind] is None]
+        seconds = {kind: self.seconds.get((kind, rows), bounds.get(kind)) for kind in tokens}
+        untried = [kind for kind in tokens if seconds[kind] is None or tokens[kind] is None]
         if untried:
             chosen = untried[0]  # learn what each kind yields first (a draft step first of all)
         else:
-            best = max(tokens, key=lambda kind: tokens[kind] / self.seconds[(kind, rows)])
+            rate = {kind: tokens[kind] / seconds[kind] for kind in tokens}
+            best = max(tokens, key=rate.get)
             stale = [kind for kind in tokens if kind != best
-                     and self.waited[kind] >= self.wait_limit.get(kind, self.explore_every)]
+                     and self.waited[kind] >= self.wait_limit.get(kind, self.explore_every)
+                     and (kind not in bounds or tokens[kind] / bounds[kind] > rate[best])]
             chosen = stale[0] if stale else best
             if chosen == best:
                 self.wait_limit[best] = self.explore_every

@@ -106,13 +106,16 @@ class AutoBudget:
     number of rows.
 
     Widths are learned, not predicted from the drafter's own probabilities (a drafter's confidence is a poor
-    guide to the value of its deeper nodes). Every `explore_every`-th step verifies the whole built tree, built
-    twice as large as the last choice, so the rates of places past the current width stay measured and the width
-    can grow.
+    guide to the value of its deeper nodes). Trees are built a little wider than the last choice (a quarter more,
+    at least 4 nodes) and every `explore_every`-th step verifies the whole built tree, so the rates of the places
+    just past the current width stay measured and the width can grow, a quarter at a time; an exploring step
+    costs little more than an ordinary one. A width chosen on trees cut short (the last tokens of a call, where
+    every row's tree is smaller than asked) is used but not remembered, so the next call starts from the width
+    the text needs.
     """
 
     def __init__(self, costs: dict[int, float], smoothing: float = 0.99, explore_every: int = 4,
-                 first_width: int = 16, prior_misses: float = 1.0, narrower_within: float = 0.01):
+                 first_width: int = 16, prior_misses: float = 1.0, switch_margin: float = 0.01):
         sizes = sorted(costs)
         self.max_size = sizes[-1]  # largest measured forward, in total tokens
         # cost of every t in 1..max_size, linear between measured sizes, made non-decreasing (a measured bump, e.g.
@@ -120,29 +123,38 @@ class AutoBudget:
         cost = torch.tensor([self._interpolate(costs, sizes, n) for n in range(1, self.max_size + 1)],
                             dtype=torch.float64)
         self.cost = cost.flip(0).cummin(0).values.flip(0)
+        self.cost_list = self.cost.tolist()  # the same, for single lookups without tensor overhead
         self.per_token_beyond = (costs[sizes[-1]] - costs[sizes[-2]]) / (sizes[-1] - sizes[-2]) if len(sizes) > 1 \
             else costs[sizes[-1]]
         self.smoothing = smoothing
         self.explore_every = explore_every
         # A place seen on few steps (only the exploring ones verify past the current width) is shrunk toward "never
-        # accepted" by `prior_misses` pseudo-verifications, and among widths whose rate is within `narrower_within`
-        # of the best the narrowest wins: on a flat cost curve the noise of rarely verified places would otherwise
-        # decide the width.
+        # accepted" by `prior_misses` pseudo-verifications, and the width changes only for one whose expected rate
+        # beats the last choice's by `switch_margin`: on a flat stretch of the cost curve many widths are within
+        # noise of each other, and the noise of a few places would otherwise move the width back and forth (a
+        # tie-break toward narrow widths instead drifted below the widths worth verifying).
         self.prior_misses = prior_misses
-        self.narrower_within = narrower_within
+        self.switch_margin = switch_margin
         self.last_best = first_width
+        self.built = 0  # the size `build_size` last asked for
         self.steps = 0
         # per place p = 0..max_size-1 in the best-first order: decayed count of acceptances and of verifications
         self.accepted_sums = torch.zeros(self.max_size, dtype=torch.float64)
         self.verified_sums = torch.zeros(self.max_size, dtype=torch.float64)
+        self.verified_extent = 0  # places 0..verified_extent-1 have been verified on some step
         self.overhead: dict[int, float] = {}  # rows -> recent seconds of a drafted step besides the verification
         self.overhead_smoothing = 0.8  # a step's time varies little: follow it closely
 
-    def verify_cost(self, total_tokens: torch.Tensor) -> torch.Tensor:
-        """Seconds of one forward over `total_tokens` (any shape of ints >= 1), extrapolated linearly past the
-        largest measured size."""
-        inside = self.cost[(total_tokens.clamp(max=self.max_size) - 1).long()]
-        return inside + (total_tokens - self.max_size).clamp(min=0) * self.per_token_beyond
+    def verify_cost(self, total_tokens: int) -> float:
+        """Seconds of one forward over `total_tokens` (>= 1) tokens, extrapolated linearly past the largest
+        measured size."""
+        inside = self.cost_list[min(total_tokens, self.max_size) - 1]
+        return inside + max(0, total_tokens - self.max_size) * self.per_token_beyond
+
+    def verify_costs(self, rows: int, width: int) -> torch.Tensor:
+        """`[width]`: seconds of one forward over `rows * n` tokens for n = 1..width (`rows * width` within the
+        largest measured size)."""
+        return self.cost[rows - 1 : rows * width : rows]
 
     @staticmethod
     def _interpolate(costs, sizes, n):
@@ -170,16 +182,18 @@ class AutoBudget:
         self.steps += 1
         rows = len(trees)
         largest = self.widest(trees)
-        measured = int((self.verified_sums[1:largest] > 0).sum()) + 1  # widths whose every place was verified
+        measured = min(largest, self.verified_extent)  # widths whose every place was verified
         exploring = rows not in self.overhead or measured < 2 or self.steps % self.explore_every == 0
         if exploring:
             width = largest
         else:
-            sizes = torch.arange(1, measured + 1)
-            rate = self.expected_tokens(measured) / (self.overhead[rows] + self.verify_cost(rows * sizes))
-            width = int((rate >= (1 - self.narrower_within) * rate.max()).nonzero()[0]) + 1
+            rate = self.expected_tokens(measured) / (self.overhead[rows] + self.verify_costs(rows, measured))
+            width = int(rate.argmax()) + 1
+            last = min(self.last_best, measured)
+            if rate[last - 1] >= (1 - self.switch_margin) * rate[width - 1]:
+                width = last
         width = width if share is None else share(width)
-        if not exploring:
+        if not exploring and (width < largest or largest >= self.built):  # not a choice forced by cut trees
             self.last_best = width
         return width
 
@@ -187,15 +201,15 @@ class AutoBudget:
         """One verified drafted step: the rows' verified trees, each row's accepted path (node numbers) and the
         step's wall time from drafting to acceptance."""
         rows = len(trees)
-        width = max(tree.size for tree in trees)
-        accepted = torch.zeros(width, dtype=torch.float64)
-        verified = torch.zeros(width, dtype=torch.float64)
-        for tree, path in zip(trees, paths):
-            verified[: tree.size] += 1
-            accepted[path] += 1
-        self.accepted_sums[:width] = self.smoothing * self.accepted_sums[:width] + accepted / rows
-        self.verified_sums[:width] = self.smoothing * self.verified_sums[:width] + verified / rows
-        rest = max(0.0, seconds - float(self.verify_cost(torch.tensor(rows * width))))
+        sizes = torch.tensor([tree.size for tree in trees])
+        width = int(sizes.max())
+        on_paths = torch.tensor([node for path in paths for node in path], dtype=torch.long)
+        accepted = torch.bincount(on_paths, minlength=width)  # rows whose accepted path holds each place
+        verified = torch.bincount(sizes - 1, minlength=width).flip(0).cumsum(0).flip(0)  # rows that verified it
+        self.accepted_sums[:width].mul_(self.smoothing).add_(accepted, alpha=1 / rows)
+        self.verified_sums[:width].mul_(self.smoothing).add_(verified, alpha=1 / rows)
+        self.verified_extent = max(self.verified_extent, width)
+        rest = max(0.0, seconds - self.verify_cost(rows * width))
         old = self.overhead.get(rows)
         self.overhead[rows] = rest if old is None else \
             self.overhead_smoothing * old + (1 - self.overhead_smoothing) * rest
@@ -211,15 +225,12 @@ class AutoBudget:
             sums = chain.path_log_probs[1:width].double().exp().cumsum(0)
             expected[1 : 1 + sums.shape[0]] += sums
             expected[1 + sums.shape[0] :] += sums[-1] if sums.shape[0] else 0.0
-        sizes = torch.arange(1, width + 1)
-        best = int(((rows + expected) / self.verify_cost(rows * sizes)).argmax()) + 1
+        best = int(((rows + expected) / self.verify_costs(rows, width)).argmax()) + 1
         return best if share is None else share(best)
 
     def build_size(self, rows: int = 1) -> int:
-        """How big a tree to build per row before choosing the width: room to grow past the last choice (twice
-        the last choice on an exploring step)."""
-        exploring = (self.steps + 1) % self.explore_every == 0
-        size = max(8, 2 * self.last_best) if exploring else max(4, self.last_best + max(2, self.last_best // 2))
-        return min(max(1, self.max_size // rows), size)
+        """How big a tree to build per row before choosing the width: room to grow past the last choice."""
+        self.built = min(max(1, self.max_size // rows), max(8, self.last_best + max(4, self.last_best // 4)))
+        return self.built
 
 

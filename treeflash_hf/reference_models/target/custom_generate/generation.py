@@ -206,7 +206,9 @@ def plan_step(rows: Rows, options: TreeOptions, learned, generator: TreeFlashCan
     branches, ngrams = lookup_branches(rows, learned.lookup_rates, lookup_lengths)
     branch_expected = [expected_accepted(log_probs) if tokens else None for tokens, log_probs in branches]
     # budget 1 is plain decoding asked for: nothing to draft, nothing for the scheduler to choose
-    kind = "plain" if budget == 1 else schedule.choose(branch_expected, share=sync.share_step_kind)
+    plain_bound = {} if auto_budget is None else {"plain": auto_budget.verify_cost(num_rows)}
+    kind = "plain" if budget == 1 else schedule.choose(branch_expected, share=sync.share_step_kind,
+                                                         lower_bounds=plain_bound)
     plan = StepPlan(kind, [], branches, ngrams, branch_expected)
     if kind == "plain":  # the roots alone; the drafter catches up with its next draft
         plan.trees = [root_tree(token) for token in rows.root_tokens]
