@@ -103,7 +103,7 @@ class AutoBudget:
     the expected tokens per row of width n, `tokens(n) = 1 + rate[1:n].sum()`. The step verifies the width
     maximising expected tokens per second, `tokens(n) / (overhead + c(rows * n))`: `c` is the measured
     verification cost curve, `overhead` the measured rest of a drafted step (drafting, tree, acceptance) at this
-    number of rows.
+    number of rows; it keeps the last width unless another beats it by `switch_margin`.
 
     Widths are learned, not predicted from the drafter's own probabilities (a drafter's confidence is a poor
     guide to the value of its deeper nodes). Trees are built a little wider than the last choice (a quarter more,
