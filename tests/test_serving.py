@@ -13,7 +13,7 @@ import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from treeflash_hf import reference
-from treeflash_hf.serve_bench import stream_completion, time_servers
+from treeflash_hf.serve_bench import format_table, stream_completion, text_divergences, time_servers
 from treeflash_hf.serving import running_server, stop_server
 
 FOLDER = reference.BUNDLED_DIR / "target"
@@ -109,6 +109,25 @@ def test_serve_bench_measures_each_server(server, expected):
     assert report["identical_texts"]
     run = stream_completion(client(server), server.model, PROMPTS[1], MAX_TOKENS)
     assert run["text"] == expected[PROMPTS[1]] and run["first_token_s"] <= run["total_s"]
+
+
+def test_serve_bench_shows_where_texts_diverge(expected):
+    """A text that leaves the plain server's is located and judged against the target's own top-2 gap there: a
+    difference is never reported as a bare mismatch nor passed off as a tie."""
+    tokenizer = AutoTokenizer.from_pretrained(FOLDER)
+    plain = AutoModelForCausalLM.from_pretrained(FOLDER, dtype=torch.float32)
+    text = expected[PROMPTS[0]]
+    assert text_divergences(plain, tokenizer, PROMPTS[:1], [text], [text]) == []
+    found = text_divergences(plain, tokenizer, PROMPTS[:1], [text], ["@@@" + text])
+    assert len(found) == 1 and found[0]["prompt"] == 0
+    assert not found[0]["near_tie"] and found[0]["gap"] > found[0]["tolerance"]  # float32: no real tie there
+    servers = {name: {"first_token_ms": 1.0, "tokens_per_s": 1.0, "decode_tokens_per_s": 1.0, "mean_tokens": 1.0}
+               for name in ("plain", "treeflash")}
+    report = {"servers": servers, "speedup_tokens_per_s": 1.0, "first_token_ratio": 1.0, "identical_texts": False,
+              "prompts": 1, "repeats": 1, "max_tokens": 16, "dtype": "float32", "device": "cpu", "divergences": found}
+    assert "identical texts: NO; prompt 0: top-2 gap" in format_table(report)
+    report["divergences"] = [{**found[0], "near_tie": True}]
+    assert "identical texts: yes but 1 near-tie" in format_table(report)
 
 
 def test_server_stops_cleanly(server):

@@ -77,7 +77,28 @@ def time_servers(servers: dict, prompts: list[str], max_tokens: int, repeats: in
         "speedup_tokens_per_s": summary["treeflash"]["tokens_per_s"] / summary["plain"]["tokens_per_s"],
         "first_token_ratio": summary["treeflash"]["first_token_ms"] / summary["plain"]["first_token_ms"],
         "identical_texts": all(texts["plain"][i] == texts["treeflash"][i] for i in texts["plain"]),
+        "texts": {name: [texts[name][i] for i in range(len(prompts))] for name in SERVERS},
     }
+
+
+def text_divergences(target, tokenizer, prompts: list[str], plain_texts: list[str], fast_texts: list[str]
+                     ) -> list[dict]:
+    """Where the TreeFlash server's text leaves the plain server's, whether the target's top-2 logits there are a
+    near-tie of its dtype (the only divergence a lossless method may show outside float32). Texts are mapped back
+    to tokens by re-tokenizing them (the server returns text), so the place is the first differing token of the
+    re-tokenized texts; the gap is the target's, after the plain text's tokens before it."""
+    from .bench import first_divergence_gap
+
+    found = []
+    for index, (prompt, plain, fast) in enumerate(zip(prompts, plain_texts, fast_texts)):
+        if plain == fast:
+            continue
+        prompt_ids = tokenizer(prompt, return_tensors="pt")["input_ids"][0].to(target.device)
+        expected = tokenizer(plain, add_special_tokens=False)["input_ids"]
+        got = tokenizer(fast, add_special_tokens=False)["input_ids"]
+        gap, tolerance = first_divergence_gap(target, prompt_ids, expected, got)
+        found.append({"prompt": index, "gap": gap, "tolerance": tolerance, "near_tie": gap <= tolerance})
+    return found
 
 
 def run_serve_bench(folder: Path, prompts: list[str], max_tokens: int, repeats: int, dtype: str = "float32",
@@ -86,7 +107,14 @@ def run_serve_bench(folder: Path, prompts: list[str], max_tokens: int, repeats: 
     with running_server(folder, trust_remote_code=False, dtype=dtype, device=device) as plain, \
             running_server(folder, trust_remote_code=True, dtype=dtype, device=device) as fast:
         report = time_servers({"plain": plain, "treeflash": fast}, prompts, max_tokens, repeats)
-    return {"folder": str(folder), "dtype": dtype, "device": device, **report}
+    divergences = []
+    if not report["identical_texts"]:  # checked after the servers stop, on the plain target in their dtype
+        from transformers import AutoModelForCausalLM, AutoTokenizer
+
+        target = AutoModelForCausalLM.from_pretrained(folder, dtype=dtype)
+        divergences = text_divergences(target, AutoTokenizer.from_pretrained(folder), prompts,
+                                       report["texts"]["plain"], report["texts"]["treeflash"])
+    return {"folder": str(folder), "dtype": dtype, "device": device, **report, "divergences": divergences}
 
 
 def format_table(report: dict) -> str:
@@ -95,10 +123,19 @@ def format_table(report: dict) -> str:
         s = report["servers"][name]
         rows.append(f"| {name} | {s['first_token_ms']:.1f} | {s['tokens_per_s']:.1f} | {s['decode_tokens_per_s']:.1f}"
                     f" | {s['mean_tokens']:.1f} |")
+    divergences = report.get("divergences", [])
+    if report["identical_texts"]:
+        same = "yes"
+    elif divergences and all(d["near_tie"] for d in divergences):
+        gaps = ", ".join(f"{d['gap']:.3g} <= {d['tolerance']:.3g}" for d in divergences)
+        same = f"yes but {len(divergences)} near-tie (top-2 gap {gaps})"
+    else:
+        same = "NO" + "".join(f"; prompt {d['prompt']}: top-2 gap {d['gap']:.3g} (tolerance {d['tolerance']:.3g})"
+                              for d in divergences if not d["near_tie"])
     rows.append(f"\nTreeFlash / plain: {report['speedup_tokens_per_s']:.2f}x tokens/s, first token "
-                f"{report['first_token_ratio']:.2f}x the latency; identical texts: "
-                f"{'yes' if report['identical_texts'] else 'NO'} ({report['prompts']} prompts x {report['repeats']} "
-                f"repeats, {report['max_tokens']} tokens max, {report['dtype']}, device {report['device']})")
+                f"{report['first_token_ratio']:.2f}x the latency; identical texts: {same} ({report['prompts']} "
+                f"prompts x {report['repeats']} repeats, {report['max_tokens']} tokens max, {report['dtype']}, device "
+                f"{report['device']})")
     return "\n".join(rows)
 
 
