@@ -13,7 +13,6 @@ from __future__ import annotations
 import hashlib
 import json
 import os
-import statistics
 import time
 from pathlib import Path
 
@@ -43,26 +42,28 @@ def model_key(target) -> str:
 
 @torch.no_grad()
 def measure_verify_cost(target, sizes=DEFAULT_SIZES, past_len: int = 256, repeats: int = 5) -> dict[int, float]:
-    """Median seconds of one target forward over n new tokens after `past_len` cached ones, for each n."""
+    """Seconds of one target forward over n new tokens after `past_len` cached ones, for each n: the fastest of
+    `repeats` rounds, each round timing every size once. Other work on the machine only adds time, and a burst of
+    it lands on one round of every size rather than on all repeats of a few sizes, so the curve keeps its shape
+    (a curve measured while the machine is busy is cached and would mislead every later call)."""
     device = target.device
     vocab = target.config.get_text_config().vocab_size
     prefix = torch.randint(0, vocab, (1, past_len), device=device)
     cache = DynamicCache(config=target.config)
     target(prefix, cache=cache, use_cache=True)
-    costs = {}
-    for n in sizes:
-        tokens = torch.randint(0, vocab, (1, n), device=device)
-        positions = torch.arange(past_len, past_len + n, device=device)[None]
-        times = []
-        for _ in range(repeats + 1):  # the first run warms up
+    times: dict[int, list[float]] = {n: [] for n in sizes}
+    for round_index in range(repeats + 1):  # round 0 warms up
+        for n in sizes:
+            tokens = torch.randint(0, vocab, (1, n), device=device)
+            positions = torch.arange(past_len, past_len + n, device=device)[None]
             _synchronize(device)
             start = time.perf_counter()
             target(tokens, cache=cache, position_ids=positions, use_cache=True, logits_to_keep=0)
             _synchronize(device)
-            times.append(time.perf_counter() - start)
+            if round_index:
+                times[n].append(time.perf_counter() - start)
             cache.crop(-n)  # back to the prefix
-        costs[n] = statistics.median(times[1:])
-    return costs
+    return {n: min(measured) for n, measured in times.items()}
 
 
 def verify_cost_curve(target, refresh: bool = False, sync=None) -> dict[int, float]:

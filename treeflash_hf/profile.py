@@ -156,7 +156,8 @@ def print_cost_table(rows: list[dict]) -> None:
             cells.append(f"{row['train_tokens_per_s']:.0f}")
         print("| " + " | ".join(cells) + " |")
     print("(the cost of verifying T tokens and of one drafter forward, relative to one target token, on a cached "
-          "context; each measured here, median of several runs)")
+          "context; each measured here: verification the fastest of several interleaved rounds, the drafter forward "
+          "the median of several runs)")
 
 
 def run_cost_table(args: argparse.Namespace) -> int:
