@@ -141,9 +141,10 @@ class StepScheduler:
     forward over more rows costs more). Each kind is tried once per batch size before it is judged. A kind that
     loses is still taken once it has waited `explore_every` steps, so that its figures stay current (one unlucky
     measurement cannot exclude it for good); each such try that does not change the verdict doubles that kind's
-    wait (up to `max_explore_every`), and winning resets it. A kind with a known lower bound on its time (plain steps: the target's
-    forward alone) is not tried while it would lose even at that bound. Skipping the drafter loses nothing: it receives the
-    skipped positions' context with its next draft (a longer drafter forward, measured like any other draft).
+    wait (up to `max_explore_every`), and winning resets it. A kind with a known lower bound on its time (plain
+    steps: the target's forward alone) is not tried while it would lose even at that bound. Skipping the drafter
+    loses nothing: it receives the skipped positions' context with its next draft (a longer drafter forward,
+    measured like any other draft).
     """
 
     allow_plain: bool = False
