@@ -177,38 +177,72 @@ def test_auto_budget_learns_widths_from_accepted_paths():
     shrunk.observe([chain.prefix(4)], [[1, 2, 3]], seconds=1.5)
     assert shrunk.expected_tokens(4).tolist() == [1, 1.5, 2, 2.5]
 
-    def trained(curve: dict[int, float], depth: int, rows: int = 1) -> AutoBudget:
-        """A budget that has seen `depth` drafted tokens accepted on every step of 16-node trees."""
-        learned = AutoBudget(curve, explore_every=10**6)
+    def trained(curve: dict[int, float], depth: int, rows: int = 1, **options) -> AutoBudget:
+        """A settled budget (no exploration due) that has seen `depth` drafted tokens accepted on every step of
+        16-node trees."""
+        learned = AutoBudget(curve, **{"explore_every": 10**6, **options})
         for _ in range(20):
             learned.observe([chain] * rows, [list(range(1, depth + 1))] * rows, seconds=0.1 + curve[1])
+        learned.until_explore = 10**6
         return learned
 
+    def step_width(budget: AutoBudget, trees: list, share=None) -> int:
+        budget.plan(len(trees), share=share)
+        return budget.choose(trees)
+
     # verification nearly free (a GPU): every accepted place is worth verifying, nothing past the last
-    assert trained({1: 1.0, 16: 1.05}, depth=10).choose([chain]) == 11
+    assert step_width(trained({1: 1.0, 16: 1.05}, depth=10), [chain]) == 11
     # ... and where a wider tree costs nothing more, the last width stays: no width beats it by the margin
-    assert trained({1: 1.0, 16: 1.0}, depth=10).choose([chain]) == 16
+    assert step_width(trained({1: 1.0, 16: 1.0}, depth=10), [chain]) == 16
     # every extra token very costly: plain width 1
-    assert trained({1: 1.0, 2: 10.0, 16: 200.0}, depth=10).choose([chain]) == 1
+    assert step_width(trained({1: 1.0, 2: 10.0, 16: 200.0}, depth=10), [chain]) == 1
     # a batch pays for all rows' tokens together, so each row's width shrinks as the batch grows
     curve = {1: 1.0, 4: 1.05, 8: 1.1, 16: 1.3, 32: 2.0, 64: 4.0, 128: 8.0}  # flat, then linear in total tokens
-    widths = [trained(curve, depth=12, rows=rows).choose([chain] * rows) for rows in (1, 2, 4, 8)]
+    widths = [step_width(trained(curve, depth=12, rows=rows), [chain] * rows) for rows in (1, 2, 4, 8)]
     assert widths == sorted(widths, reverse=True) and widths[0] > widths[-1], widths
-    # before anything is measured, and every explore_every-th step, the whole built tree is verified
-    fresh = AutoBudget(curve, explore_every=3)
+    # an ordinary step builds exactly the width it verifies; before anything is measured the step explores: it
+    # builds a quarter more than the width (at least 4 nodes, at least 8 in all) and verifies all it built
+    settled = trained(curve, depth=12)
+    assert settled.plan() == settled.planned == 13 and not settled.exploring
+    warming = AutoBudget(curve)  # the first warmup_steps steps all explore: one step's path says little
+    for _ in range(warming.warmup_steps):
+        assert warming.plan() == 20 and warming.exploring
+        warming.observe([chain.prefix(warming.choose([chain]))], [[1]], seconds=2.0)
+    assert warming.plan() < 16 and not warming.exploring
+    fresh = AutoBudget(curve, explore_every=3, warmup_steps=1)
+    assert fresh.plan() == 20 and fresh.exploring
     assert fresh.choose([chain.prefix(10)]) == 10
     fresh.observe([chain.prefix(10)], [[1]], seconds=2.0)
-    assert fresh.choose([chain]) < 16 and fresh.choose([chain]) == 16  # steps 2 and 3: exploit, explore
+    assert step_width(fresh, [chain]) < 10 and step_width(fresh, [chain]) < 10  # steps 2 and 3: exploit
+    assert step_width(fresh, [chain]) == 16 and fresh.exploring  # step 4 explores
+    # explorations after which the width stays come ever further apart (up to max_explore_every); a change of
+    # width brings them back to explore_every
+    backoff = trained(curve, depth=12, explore_every=2, max_explore_every=8)
+    backoff.last_best, backoff.until_explore = 13, 0  # settled at its width, an exploration due
+    explored = []
+    for _ in range(40):
+        width = step_width(backoff, [chain])
+        explored.append(backoff.exploring)
+        backoff.observe([chain.prefix(width)], [list(range(1, 13))], seconds=0.1 + curve[1])
+    explored_at = [i for i, exploring in enumerate(explored) if exploring]
+    gaps = [later - earlier for earlier, later in zip(explored_at, explored_at[1:])]
+    assert gaps[:3] == [2, 4, 8] and set(gaps[3:]) == {8}, gaps
+    assert backoff.last_best == 13
+    backoff.last_best = 20  # as if the text had needed 20 until now: the width moves back to 13 ...
+    backoff.until_explore = 10
+    assert step_width(backoff, [chain]) == 13 and backoff.explore_wait == 2  # ... and explorations come often
     # under tensor parallelism the shared (rank 0's) width is the one used and remembered
     shared = trained(curve, depth=12)
-    assert shared.choose([chain], share=lambda width: 3) == 3 and shared.last_best == 3
-    assert shared.build_size() == 8  # at least 8, else the last choice and a quarter more (at least 4)
+    assert step_width(shared, [chain], share=lambda width: 3) == 3 and shared.last_best == 3
+    shared.until_explore = 0
+    assert shared.plan(share=lambda width: 3) == 8  # exploring: at least 8, else a quarter more (at least 4)
     wide = trained(curve, depth=12)
-    wide.last_best = 40
-    assert wide.build_size() == 50
+    wide.until_explore = 0
+    assert wide.plan(share=lambda width: 40) == 50
     # a width forced by trees cut short (the end of a call) is used, not remembered for the next call
-    assert wide.choose([chain.prefix(6)]) == 6 and wide.last_best == 40
-    assert wide.choose([chain]) < 16 and wide.last_best < 16  # an ordinary choice is remembered
+    wide.last_best, wide.until_explore = 40, 10
+    assert step_width(wide, [chain.prefix(6)], share=lambda width: 40) == 6 and wide.last_best == 40
+    assert step_width(wide, [chain]) < 16 and wide.last_best < 16  # an ordinary choice is remembered
 
 
 def test_auto_budget_decoding_is_lossless(models, tmp_path_factory):

@@ -189,7 +189,7 @@ def test_learned_state_carries_over_calls_per_pair_and_settings(looping_pair):
     state = learned_state(drafter, target, options, greedy)
     steps_seen = dict(state.schedule.seconds)
     assert steps_seen, "the first call's measurements were not kept"
-    assert state.auto_budget is not None and state.auto_budget.steps > 0
+    assert state.auto_budget is not None and state.auto_budget.verified_extent > 0
     second = treeflash_generate(target, drafter, prompt, max_new_tokens=30, **settings)
     assert learned_state(drafter, target, options, greedy) is state  # the same state, grown by the second call
     assert torch.equal(first.sequences, second.sequences)  # what is verified changed, never what is emitted

@@ -107,16 +107,19 @@ class AutoBudget:
     number of rows; it keeps the last width unless another beats it by `switch_margin`.
 
     Widths are learned, not predicted from the drafter's own probabilities (a drafter's confidence is a poor
-    guide to the value of its deeper nodes). Trees are built a little wider than the last choice (a quarter more,
-    at least 4 nodes) and every `explore_every`-th step verifies the whole built tree, so the rates of the places
-    just past the current width stay measured and the width can grow, a quarter at a time; an exploring step
-    costs little more than an ordinary one. A width chosen on trees cut short (the last tokens of a call, where
-    every row's tree is smaller than asked) is used but not remembered, so the next call starts from the width
-    the text needs.
+    guide to the value of its deeper nodes). The width is settled before the step (`plan`), so an ordinary step
+    builds exactly the tree it verifies. Now and then a step explores: it builds and verifies a tree a little wider
+    than the width (a quarter more, at least 4 nodes), so the rates of the places just past it stay measured and
+    the width can grow, a quarter at a time. Explorations start `explore_every` steps apart; each one after which
+    the width stays doubles the wait (up to `max_explore_every`), and a change of width resets it, so a settled
+    width costs almost nothing to keep checking. A width chosen on trees cut short (the last tokens of a call,
+    where every row's tree is smaller than asked) is used but not remembered, so the next call starts from the
+    width the text needs.
     """
 
     def __init__(self, costs: dict[int, float], smoothing: float = 0.99, explore_every: int = 4,
-                 first_width: int = 16, prior_misses: float = 1.0, switch_margin: float = 0.01):
+                 max_explore_every: int = 32, first_width: int = 16, prior_misses: float = 1.0,
+                 switch_margin: float = 0.01, warmup_steps: int = 8):
         sizes = sorted(costs)
         self.max_size = sizes[-1]  # largest measured forward, in total tokens
         # cost of every t in 1..max_size, linear between measured sizes, made non-decreasing (a measured bump, e.g.
@@ -129,6 +132,7 @@ class AutoBudget:
             else costs[sizes[-1]]
         self.smoothing = smoothing
         self.explore_every = explore_every
+        self.max_explore_every = max_explore_every
         # A place seen on few steps (only the exploring ones verify past the current width) is shrunk toward "never
         # accepted" by `prior_misses` pseudo-verifications, and the width changes only for one whose expected rate
         # beats the last choice's by `switch_margin`: on a flat stretch of the cost curve many widths are within
@@ -136,9 +140,15 @@ class AutoBudget:
         # tie-break toward narrow widths instead drifted below the widths worth verifying).
         self.prior_misses = prior_misses
         self.switch_margin = switch_margin
-        self.last_best = first_width
-        self.built = 0  # the size `build_size` last asked for
-        self.steps = 0
+        self.last_best = first_width  # the last width chosen on trees not cut short
+        self.planned = first_width  # this step's width, settled by `plan`
+        self.built = 0  # the tree size `plan` last asked for
+        self.exploring = True  # whether this step verifies the whole wider tree it built
+        self.explore_wait = explore_every  # draft steps from one exploration to the next
+        self.until_explore = 0  # draft steps left before the next exploration
+        self.just_explored = False
+        self.warmup_steps = warmup_steps  # the first steps explore around `first_width`
+        self.observed_steps = 0
         # per place p = 0..max_size-1 in the best-first order: decayed count of acceptances and of verifications
         self.accepted_sums = torch.zeros(self.max_size, dtype=torch.float64)
         self.verified_sums = torch.zeros(self.max_size, dtype=torch.float64)
@@ -177,24 +187,43 @@ class AutoBudget:
         """The widest width these rows can verify: their largest tree, within the largest measured forward."""
         return min(max(tree.size for tree in trees), max(1, self.max_size // len(trees)))
 
-    def choose(self, trees: list[DraftTree], share=None) -> int:
-        """The width every row verifies (each row keeps the first `width` nodes of its tree). `share(width) ->
-        width` (tensor parallelism: rank 0's width on every rank) settles the width before it is recorded."""
-        self.steps += 1
-        rows = len(trees)
-        largest = self.widest(trees)
-        measured = min(largest, self.verified_extent)  # widths whose every place was verified
-        exploring = rows not in self.overhead or measured < 2 or self.steps % self.explore_every == 0
-        if exploring:
-            width = largest
-        else:
+    def plan(self, rows: int = 1, share=None) -> int:
+        """Before a step of `rows` rows: settle the width every row verifies (`planned`) and whether the step
+        explores; returns how big a tree to build per row (the width itself, or a quarter more, at least 4 nodes,
+        when exploring). `share(width) -> width` (tensor parallelism: rank 0's width on every rank) settles the
+        width; the rest follows from what every rank has seen alike."""
+        cap = max(1, self.max_size // rows)
+        measured = min(cap, self.verified_extent)  # widths whose every place was verified
+        warming_up = self.observed_steps < self.warmup_steps  # a few steps' paths say little: keep the width
+        self.exploring = warming_up or rows not in self.overhead or measured < 2 or self.until_explore <= 0
+        width = min(self.last_best, cap)
+        if not warming_up and rows in self.overhead and measured >= 1:
             rate = self.expected_tokens(measured) / (self.overhead[rows] + self.verify_costs(rows, measured))
-            width = int(rate.argmax()) + 1
+            best = int(rate.argmax()) + 1
             last = min(self.last_best, measured)
-            if rate[last - 1] >= (1 - self.switch_margin) * rate[width - 1]:
-                width = last
-        width = width if share is None else share(width)
-        if not exploring and (width < largest or largest >= self.built):  # not a choice forced by cut trees
+            width = last if rate[last - 1] >= (1 - self.switch_margin) * rate[best - 1] else best
+        self.planned = width if share is None else share(width)
+        grown = max(8, self.planned + max(4, self.planned // 4))
+        # (at least 2: a tree of the root alone would ask for plain decoding, which the step scheduler decides)
+        self.built = min(cap, grown if self.exploring else max(2, self.planned))
+        return self.built
+
+    def choose(self, trees: list[DraftTree]) -> int:
+        """The width every row of this drafted step verifies (each row keeps the first `width` nodes of its tree):
+        the planned width, or on an exploring step the whole built tree."""
+        largest = self.widest(trees)
+        if self.exploring:
+            self.until_explore = self.explore_wait - 1  # the explore_wait-th step from here explores again
+            self.just_explored = True
+            return largest
+        width = min(self.planned, largest)
+        self.until_explore -= 1
+        if largest >= self.built:  # not a width forced by trees cut short
+            if width != self.last_best:
+                self.explore_wait = self.explore_every
+            elif self.just_explored:
+                self.explore_wait = min(self.max_explore_every, 2 * self.explore_wait)
+            self.just_explored = False
             self.last_best = width
         return width
 
@@ -210,6 +239,7 @@ class AutoBudget:
         self.accepted_sums[:width].mul_(self.smoothing).add_(accepted, alpha=1 / rows)
         self.verified_sums[:width].mul_(self.smoothing).add_(verified, alpha=1 / rows)
         self.verified_extent = max(self.verified_extent, width)
+        self.observed_steps += 1
         rest = max(0.0, seconds - self.verify_cost(rows * width))
         old = self.overhead.get(rows)
         self.overhead[rows] = rest if old is None else \
@@ -228,10 +258,3 @@ class AutoBudget:
             expected[1 + sums.shape[0] :] += sums[-1] if sums.shape[0] else 0.0
         best = int(((rows + expected) / self.verify_costs(rows, width)).argmax()) + 1
         return best if share is None else share(best)
-
-    def build_size(self, rows: int = 1) -> int:
-        """How big a tree to build per row before choosing the width: room to grow past the last choice."""
-        self.built = min(max(1, self.max_size // rows), max(8, self.last_best + max(4, self.last_best // 4)))
-        return self.built
-
-

@@ -199,7 +199,7 @@ def plan_step(rows: Rows, options: TreeOptions, learned, generator: TreeFlashCan
     auto_budget, schedule = learned.auto_budget, learned.schedule
     num_rows = len(rows)
     remaining = [max_length - sequence.shape[1] for sequence in rows.sequences]
-    budget = options.tree_budget if auto_budget is None else auto_budget.build_size(num_rows)
+    budget = options.tree_budget if auto_budget is None else auto_budget.plan(num_rows, share=sync.share_int)
     # the budget counts the root; under "auto" a branch verified alone may fill the largest measured forward
     lookup_cap = budget if auto_budget is None else max(1, auto_budget.max_size // num_rows)
     lookup_lengths = [min(options.tree_lookup, left - 1, lookup_cap - 1) for left in remaining]
@@ -227,7 +227,7 @@ def plan_step(rows: Rows, options: TreeOptions, learned, generator: TreeFlashCan
                   for tokens, log_probs in branches]
         plan.trees = generator.build_trees(blocks, budget, capped)
         if auto_budget is not None:
-            width = auto_budget.choose(plan.trees, share=sync.share_int)
+            width = auto_budget.choose(plan.trees)
             plan.trees = [tree.prefix(min(width, tree.size)) for tree in plan.trees]
     return plan
 
