@@ -176,12 +176,18 @@ class AutoBudget:
         weight = (n - lower) / (upper - lower)
         return costs[lower] * (1 - weight) + costs[upper] * weight
 
-    def expected_tokens(self, width: int) -> torch.Tensor:
-        """`[width]`: expected tokens per row when verifying the first n = 1..width nodes (places never verified
-        count as never accepted)."""
-        # place 0, the root, is on no accepted path (paths list drafted nodes), so its rate is 0: tokens(1) = 1
-        rates = self.accepted_sums[:width] / (self.verified_sums[:width] + self.prior_misses)
-        return 1.0 + rates.cumsum(0)
+    def expected_tokens(self, width: int) -> list[float]:
+        """Expected tokens per row when verifying the first n = 1..width nodes (places never verified count as
+        never accepted). Plain floats: this runs every step, and a few dozen additions cost less than the
+        tensor calls would."""
+        accepted = self.accepted_sums[:width].tolist()
+        verified = self.verified_sums[:width].tolist()
+        tokens, expected = 1.0, []
+        for accepted_at, verified_at in zip(accepted, verified):
+            # place 0, the root, is on no accepted path (paths list drafted nodes), so its rate is 0: tokens(1) = 1
+            tokens += accepted_at / (verified_at + self.prior_misses)
+            expected.append(tokens)
+        return expected
 
     def widest(self, trees: list[DraftTree]) -> int:
         """The widest width these rows can verify: their largest tree, within the largest measured forward."""
@@ -198,8 +204,10 @@ class AutoBudget:
         self.exploring = warming_up or rows not in self.overhead or measured < 2 or self.until_explore <= 0
         width = min(self.last_best, cap)
         if not warming_up and rows in self.overhead and measured >= 1:
-            rate = self.expected_tokens(measured) / (self.overhead[rows] + self.verify_costs(rows, measured))
-            best = int(rate.argmax()) + 1
+            overhead = self.overhead[rows]
+            rate = [tokens / (overhead + self.cost_list[rows * n - 1])  # tokens per second at width n
+                    for n, tokens in enumerate(self.expected_tokens(measured), start=1)]
+            best = rate.index(max(rate)) + 1
             last = min(self.last_best, measured)
             width = last if rate[last - 1] >= (1 - self.switch_margin) * rate[best - 1] else best
         self.planned = width if share is None else share(width)
