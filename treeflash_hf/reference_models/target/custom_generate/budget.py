@@ -203,7 +203,7 @@ class AutoBudget:
         warming_up = self.observed_steps < self.warmup_steps  # a few steps' paths say little: keep the width
         self.exploring = warming_up or rows not in self.overhead or measured < 2 or self.until_explore <= 0
         width = min(self.last_best, cap)
-        if not warming_up and rows in self.overhead and measured >= 1:
+        if not warming_up and rows in self.overhead:  # (then some step was observed: measured >= 1)
             overhead = self.overhead[rows]
             rate = [tokens / (overhead + self.cost_list[rows * n - 1])  # tokens per second at width n
                     for n, tokens in enumerate(self.expected_tokens(measured), start=1)]
