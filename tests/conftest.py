@@ -1,3 +1,5 @@
+import os
+
 import pytest
 import torch
 
@@ -7,7 +9,7 @@ from treeflash_hf.testing import matching_drafter, random_target
 
 @pytest.fixture(autouse=True)
 def _threads():
-    torch.set_num_threads(2)
+    torch.set_num_threads(int(os.environ.get("TREEFLASH_TEST_THREADS", "2")))  # 1 beside another job on 2 cores
 
 
 @pytest.fixture(scope="session")

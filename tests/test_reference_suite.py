@@ -15,7 +15,7 @@ from .test_hub import run_fresh
 @pytest.fixture(scope="module")
 def suite():
     start = time.perf_counter()
-    target, drafter, tokenizer = reference.load(dtype=torch.float32)  # exact identity is checked in float32
+    target, drafter, tokenizer = reference.load("tiny", dtype=torch.float32)  # exact identity is checked in float32
     return target, drafter, tokenizer, time.perf_counter() - start
 
 
@@ -118,7 +118,7 @@ def test_run_dtype_divergences_are_near_ties():
     rounding. Every divergence must be such a near-tie, never a real disagreement."""
     from treeflash_hf.bench import Identity, compare
 
-    target, drafter, tokenizer = reference.load()  # the stored dtype
+    target, drafter, tokenizer = reference.load("tiny")  # the stored dtype
     identity = Identity()
     for prompt in HELD_OUT:
         inputs = tokenizer(prompt, return_tensors="pt")

@@ -47,7 +47,7 @@ def run(args: argparse.Namespace) -> int:
     import numpy as np
 
     from . import reference
-    from .bench import load_prompts
+    from .prompt_sets import load_prompts
     from .training.data import TokenStream
     from .training.drafter import DrafterLossConfig, train_drafter
     from .training.loop import LoopConfig

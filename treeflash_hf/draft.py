@@ -6,6 +6,7 @@
 
 from __future__ import annotations
 
+import itertools
 from dataclasses import dataclass
 from typing import Any
 
@@ -17,6 +18,8 @@ from .cache import repack, select_rows
 from .lookup import with_lookup_branch
 from .options import TreeOptions
 from .tree import ChildList, DraftTree, best_first_tree, chain_tree, table_children
+from .validation import TreeFlashInputError
+from .verify import same_logits
 
 
 @dataclass
@@ -90,6 +93,111 @@ def full_tensor(tensor: torch.Tensor | None) -> torch.Tensor | None:
     return tensor.full_tensor() if hasattr(tensor, "full_tensor") else tensor
 
 
+def is_plain_linear(module) -> bool:
+    """An `nn.Linear` itself (not a subclass) with a plain or tensor-parallel weight: its output is
+    `hidden @ weight.T + bias`."""
+    weight = getattr(module, "weight", None)
+    plain = type(weight) in (torch.Tensor, torch.nn.Parameter) or hasattr(weight, "full_tensor")
+    return type(module) is torch.nn.Linear and plain
+
+
+def dense_weight_candidate(module) -> torch.Tensor | None:
+    """A dense `[V, H]` candidate for the weight of a head that is not a plain Linear, or None: HQQ's
+    `HQQLinear.dequantize()`, a torchao or optimum-quanto weight's `.dequantize()`, a plain weight as it is. Only a
+    candidate: some `.dequantize()`s return something else (bitsandbytes' packed parameters), so it is checked."""
+    try:
+        if hasattr(module, "dequantize"):
+            return module.dequantize()
+        weight = getattr(module, "weight", None)
+        if weight is None or type(weight) in (torch.Tensor, torch.nn.Parameter):
+            return weight
+        return weight.dequantize()
+    except Exception:  # no dense form this way: the head is called instead
+        return None
+
+
+class TargetHead:
+    """The target's output head as the drafting side uses it: `logits` of hidden states, and `shortlist_logits` on
+    chosen tokens (the CPU shortlist, see `Shortlist`).
+
+    A plain `nn.Linear` head (a tensor-parallel one gathered once) is used through its weight, so that the
+    shortlist reads `C` rows of it instead of all `V`. Any other head (a quantized Linear of torchao, bitsandbytes
+    or optimum-quanto, HQQ's `HQQLinear`, ...) is dequantized once into a dense weight when that reproduces the
+    head's own outputs, and else called as a module (the shortlist then takes its tokens from the full logits).
+    Drafts are scored as the target's head scores them either way; losslessness never depends on it (the target
+    verifies every token).
+
+    weight: `[V, H]` on the drafter's device, or None when the head is called; bias: `[V]` or None."""
+
+    def __init__(self, lm_head, hidden_size: int, device: torch.device, dtype: torch.dtype):
+        if lm_head is None:
+            raise TreeFlashInputError(
+                "The target has no output head (`get_output_embeddings()` is None): TreeFlash scores its drafts "
+                "with the target's lm_head. Use a causal-LM class of the target (`AutoModelForCausalLM`)."
+            )
+        self.module, self.device = lm_head, device
+        stored = next(itertools.chain(lm_head.parameters(), lm_head.buffers()), None)
+        self.module_device = device if stored is None else stored.device  # where the head takes its inputs
+        self.weight: torch.Tensor | None = None
+        self.bias: torch.Tensor | None = None
+        if is_plain_linear(lm_head):
+            # plain tensors: the drafter side indexes rows and must not take part in the target's collectives
+            self.weight = full_tensor(lm_head.weight).to(device)
+            self.bias = None if lm_head.bias is None else full_tensor(lm_head.bias).to(device)
+            return
+        # The first call: the head must take drafter hidden states, and a dense copy must give what it gives.
+        probe = torch.randn(4, hidden_size, generator=torch.Generator().manual_seed(0)).to(device, dtype)
+        reference = self.call(probe)  # [4, V]
+        self.vocab_size = reference.shape[-1]
+        weight = dense_weight_candidate(lm_head)
+        if weight is None or tuple(weight.shape) != (self.vocab_size, hidden_size):
+            return
+        weight = weight.to(device, dtype)
+        bias = None if getattr(lm_head, "bias", None) is None else lm_head.bias.to(device, dtype)
+        dense = probe @ weight.T if bias is None else probe @ weight.T + bias
+        if same_logits(dense, reference, dtype):
+            self.weight, self.bias = weight, bias
+
+    def call(self, hidden: torch.Tensor) -> torch.Tensor:
+        """The head module itself on `hidden [..., H]` -> `[..., V]` on the drafter's device. A head that cannot
+        take drafter hidden states is an input error (found by the first call, in `__init__`)."""
+        if hidden.numel() == 0:  # (no depth left to draft) some kernels fail on empty inputs
+            return hidden.new_zeros(hidden.shape[:-1] + (self.vocab_size,))
+        rows = hidden.reshape(-1, hidden.shape[-1]).to(self.module_device)  # some kernels take 2-D inputs only
+        try:
+            logits = self.module(rows)
+            if logits.dim() != 2 or logits.shape[0] != rows.shape[0]:
+                raise ValueError(f"it returned shape {tuple(logits.shape)} for input shape {tuple(rows.shape)}")
+        except Exception as err:
+            weight = getattr(self.module, "weight", None)
+            name = f"{type(self.module).__module__}.{type(self.module).__qualname__}"
+            if weight is not None and type(weight) not in (torch.Tensor, torch.nn.Parameter):
+                name += f" with a {type(weight).__module__}.{type(weight).__qualname__} weight"
+            raise TreeFlashInputError(
+                f"TreeFlash scores its drafts with the target's output head, and this target's head ({name}) "
+                f"cannot be called on hidden states ({type(err).__name__}: {str(err)[:300]}). Load the target "
+                "with its head left unquantized (e.g. add 'lm_head' to the quantization config's "
+                "`modules_to_not_convert`, or to `llm_int8_skip_modules` for bitsandbytes)."
+            ) from None
+        return logits.to(self.device).view(*hidden.shape[:-1], logits.shape[-1])
+
+    def logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """`hidden [..., H]` -> logits `[..., V]`."""
+        if self.weight is None:
+            return self.call(hidden)
+        logits = hidden @ self.weight.T
+        return logits if self.bias is None else logits + self.bias
+
+    def shortlist_logits(self, hidden: torch.Tensor, tokens: torch.LongTensor) -> torch.Tensor:
+        """Logits of groups of rows `hidden [..., G, H]` on their group's tokens `tokens [..., C]` ->
+        `[..., G, C]`."""
+        if self.weight is None:  # a called head scores every token: keep the shortlist's
+            logits = self.call(hidden)
+            return logits.gather(-1, tokens[..., None, :].expand(logits.shape[:-1] + tokens.shape[-1:]))
+        logits = hidden @ self.weight[tokens].transpose(-1, -2)  # with [..., C, H] rows of the head
+        return logits if self.bias is None else logits + self.bias[tokens][..., None, :]
+
+
 class TreeFlashCandidateGenerator(CandidateGenerator):
     """The drafting side of TreeFlash: keeps the drafter's context cache, drafts a block per row, builds trees.
 
@@ -113,12 +221,8 @@ class TreeFlashCandidateGenerator(CandidateGenerator):
         self.drafter = drafter
         self.options = options
         self.input_embeddings = target.get_input_embeddings()
-        lm_head = target.get_output_embeddings()
-        # The target's head as plain tensors (a tensor-parallel head is gathered once): the drafter side indexes
-        # rows of it and must not take part in the target's collectives.
-        self.head_weight = full_tensor(lm_head.weight).to(drafter.device)  # [V, H]
-        self.head_bias = None if lm_head.bias is None else full_tensor(lm_head.bias).to(drafter.device)
         config = drafter.config
+        self.head = TargetHead(target.get_output_embeddings(), config.hidden_size, drafter.device, drafter.dtype)
         self.target_layer_ids = list(config.target_layer_ids)
         self.block_size = config.block_size
         self.mask_token_id = config.mask_token_id
@@ -155,8 +259,7 @@ class TreeFlashCandidateGenerator(CandidateGenerator):
 
     def head_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """The target's `lm_head` on drafter hidden states `[..., H]` -> `[..., V]`."""
-        logits = hidden @ self.head_weight.T
-        return logits if self.head_bias is None else logits + self.head_bias
+        return self.head.logits(hidden)
 
     def context_features(self, hidden_states: tuple, positions: torch.LongTensor | slice) -> torch.Tensor:
         """Concatenate the target-layer outputs (each gathered to the drafter's device, wherever its layer runs) at
@@ -255,10 +358,7 @@ class TreeFlashCandidateGenerator(CandidateGenerator):
             log_probs = torch.log_softmax(self.head_logits(corrected).float(), dim=-1)  # [..., G, V]
             child = log_probs.topk(min(top_k, log_probs.shape[-1]), dim=-1)
             return child.indices, child.values
-        weight = self.head_weight[shortlist_tokens]  # [..., C, H]
-        logits = corrected @ weight.transpose(-1, -2)  # [..., G, C]
-        if self.head_bias is not None:
-            logits = logits + self.head_bias[shortlist_tokens][..., None, :]
+        logits = self.head.shortlist_logits(corrected, shortlist_tokens)  # [..., G, C]
         log_probs = torch.log_softmax(logits.float(), dim=-1) + log_mass[..., None, None]
         child = log_probs.topk(min(top_k, log_probs.shape[-1]), dim=-1)
         tokens = shortlist_tokens[..., None, :].expand(child.indices.shape[:-1] + shortlist_tokens.shape[-1:])

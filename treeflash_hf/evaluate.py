@@ -16,6 +16,8 @@ from pathlib import Path
 
 import torch
 
+from .arguments import add_pair_argument
+
 from .draft import TreeFlashCandidateGenerator
 from .options import TreeOptions
 
@@ -111,12 +113,13 @@ def plot(report: dict, out_dir: Path) -> list[Path]:
 
 def run(args: argparse.Namespace) -> int:
     from . import reference
-    from .bench import load_prompts, write_report
+    from .bench import write_report
+    from .prompt_sets import load_prompts
 
     torch.set_num_threads(args.threads)
-    target, drafter, tokenizer = reference.load(args.models)
-    prompts = load_prompts(args.prompts, args.num_prompts)
-    ids = [tokenizer(p, return_tensors="pt")["input_ids"][:, -256:] for p in prompts]
+    target, drafter, tokenizer = reference.load(args.models or args.pair)
+    prompts = load_prompts(args.prompts, args.num_prompts, tokenizer)
+    ids = [tokenizer(p, return_tensors="pt", add_special_tokens=False)["input_ids"][:, -256:] for p in prompts]
     report = eval_distributions(target, drafter, ids, args.continuation, args.anchors, args.samples)
     print(f"{'depth':>5s} " + " ".join(f"{s + ' tvd':>20s}" for s in SOURCES) + "   treeflash top1 / dflash top5")
     for i, d in enumerate(report["depths"]):
@@ -128,8 +131,9 @@ def run(args: argparse.Namespace) -> int:
 
 def add_parser(subparsers) -> None:
     parser = subparsers.add_parser("eval-dist", help="TVD and top-k coverage per depth of each drafting distribution.")
-    parser.add_argument("--models", help="reference-suite folder (default: the bundled one)")
-    parser.add_argument("--prompts", default="stdlib-heldout")
+    add_pair_argument(parser)
+    parser.add_argument("--models", help="a folder `reference build` wrote (instead of --pair)")
+    parser.add_argument("--prompts", default="instruct-heldout")
     parser.add_argument("--num-prompts", type=int, default=8)
     parser.add_argument("--continuation", type=int, default=64)
     parser.add_argument("--anchors", type=int, default=4)

@@ -33,6 +33,7 @@ from transformers.generation.utils import GenerateDecoderOnlyOutput
 
 from .accept import Acceptance, RowProcessor, greedy_accept, walk_tree
 from .cache import check_cache_supported, compact_cache, repack, select_rows
+from .continuous_batching import install_continuous_batching_guards, refuse_drafter
 from .draft import DraftContext, TreeFlashCandidateGenerator
 from .learned import learned_state
 from .lookup import MAX_NGRAM, MIN_PATH_PROB, expected_accepted, ngram_continuation, useful_length
@@ -47,7 +48,7 @@ from .validation import (
     check_pair,
     is_treeflash_drafter,
 )
-from .verify import run_target, verify_trees
+from .verify import check_forward_shapes, run_target, verify_trees
 
 logger = logging.getLogger(__name__)
 
@@ -317,6 +318,8 @@ def treeflash_decode(
     if position_ids is None:
         position_ids = torch.arange(input_ids.shape[1], device=input_ids.device).expand(batch_size, -1)
     out = run_target(target, input_ids, position_ids, attention_mask, cache, layer_ids, logits_to_keep=1)
+    first_prompt = input_ids[0] if key_valid is None else input_ids[0, key_valid[0].to(input_ids.device)]
+    check_forward_shapes(target, first_prompt, layer_ids, device)  # once per target
     context = DraftContext(generator.context_features(out.hidden_states, slice(None)), position_ids.cpu(), key_valid)
     rows = Rows(input_ids, key_valid, position_ids[:, -1].cpu() + 1, context)
     raw = out.logits[:, -1].float().to(device)  # [B, V]
@@ -515,7 +518,9 @@ def route_generate(stock_generate, model, *args, assistant_model=None, **kwargs)
     """Run `stock_generate` (transformers' `generate`), handing decoding to TreeFlash when `assistant_model` is a
     TreeFlash drafter (unless `speculation_type="dflash"` asks for transformers' own linear DFlash loop).
     Extra keyword arguments `tree_mode`, `tree_budget`, `tree_top_m`, `tree_top_k` override the drafter's
-    `generation_config`. Shared by the installed hook and the Hub repo's `custom_generate/generate.py`."""
+    `generation_config`. A TreeFlash drafter with `cache_implementation="paged"` (an argument or the generation
+    config's) raises `TreeFlashInputError`: TreeFlash does not run inside continuous batching yet. Shared by the
+    installed hook and the Hub repo's `custom_generate/generate.py`."""
     tree_overrides = {name: kwargs.pop(name) for name in OPTION_NAMES if name in kwargs}
     if not is_treeflash_drafter(assistant_model) or _wants_stock_dflash(model, kwargs):
         if tree_overrides:
@@ -524,6 +529,9 @@ def route_generate(stock_generate, model, *args, assistant_model=None, **kwargs)
                 "`assistant_model` (and no `speculation_type='dflash'`)."
             )
         return stock_generate(model, *args, assistant_model=assistant_model, **kwargs)
+    config = kwargs.get("generation_config") or model.generation_config
+    if (kwargs.get("cache_implementation") or config.cache_implementation) == "paged":
+        refuse_drafter("cache_implementation='paged'")  # else the drafter would be dropped, or paged ignored
     if kwargs.get("custom_generate") is not None:
         raise TypeError("`custom_generate` cannot be combined with a TreeFlash drafter as `assistant_model`.")
     kwargs.pop("custom_generate", None)
@@ -574,5 +582,7 @@ def generate(self, *args, assistant_model=None, **kwargs):
 
 
 def install_generate_hook() -> None:
-    """Route `generate(assistant_model=<TreeFlash drafter>)` to TreeFlash decoding (idempotent)."""
+    """Route `generate(assistant_model=<TreeFlash drafter>)` to TreeFlash decoding, and refuse a TreeFlash drafter
+    where continuous batching would drop it (idempotent)."""
     GenerationMixin.generate = generate
+    install_continuous_batching_guards()

@@ -20,8 +20,8 @@ import torch
 
 PACKAGE_DIR = Path(__file__).resolve().parent
 CARD_TEMPLATES = {"drafter": "treeflash_drafter.md", "bundle": "treeflash_target.md"}
-ENGINE_MODULES = ("accept", "budget", "cache", "draft", "generation", "learned", "lookup", "options", "sync", "tree",
-                  "validation", "verify")
+ENGINE_MODULES = ("accept", "budget", "cache", "continuous_batching", "draft", "generation", "learned", "lookup",
+                  "options", "sync", "tree", "validation", "verify")
 REQUIRED_CONFIG_FIELDS = ("model_type", "hidden_size", "vocab_size", "block_size", "mask_token_id",
                           "target_layer_ids", "num_target_layers", "auto_map")
 

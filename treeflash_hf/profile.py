@@ -16,7 +16,7 @@ from pathlib import Path
 import torch
 
 from . import generation, verify
-from .cli import tree_budget
+from .arguments import add_pair_argument, tree_budget
 from .budget import measure_verify_cost
 from .draft import TreeFlashCandidateGenerator
 from .options import TreeOptions
@@ -178,11 +178,13 @@ def run(args: argparse.Namespace) -> int:
         return run_cost_table(args)
     if args.bundled:
         from . import reference
-        from .bench import load_prompts
+        from .prompt_sets import load_prompts
 
-        target, drafter, tokenizer = reference.load()
-        prompt = tokenizer(load_prompts("packages-heldout", 1)[0], return_tensors="pt")["input_ids"]
-        description = "the bundled pair"
+        target, drafter, tokenizer = reference.load(args.pair)
+        prompt_set = "packages-heldout" if args.pair == "tiny" else "instruct-heldout"
+        text = load_prompts(prompt_set, 1, tokenizer)[0]
+        prompt = tokenizer(text, return_tensors="pt", add_special_tokens=False)["input_ids"]
+        description = f"the {args.pair} pair"
     else:
         target, drafter = random_pair(args.layers, args.hidden, args.heads, getattr(torch, args.dtype), args)
         generator = torch.Generator().manual_seed(0)
@@ -218,7 +220,8 @@ def add_parser(subparsers) -> None:
     parser = subparsers.add_parser("profile", help="Profile the decode step on random-init models.")
     parser.add_argument("--budgets", type=tree_budget, nargs="+", default=[16, 64])
     parser.add_argument("--bundled", action="store_true",
-                        help="profile the bundled pair (in its run dtype) on a held-out package prompt")
+                        help="profile a reference pair (--pair, in its run dtype) on a held-out prompt")
+    add_pair_argument(parser, " (with --bundled)")
     parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"],
                         help="dtype of the random-init models")
     parser.add_argument("--mode", default="treeflash", choices=["chain", "marginal_tree", "treeflash"])

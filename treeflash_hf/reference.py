@@ -16,26 +16,33 @@ from pathlib import Path
 import numpy as np
 import torch
 
-PACKAGE_DIR = Path(__file__).resolve().parent
-BUNDLED_DIR = PACKAGE_DIR / "reference_models"
+from .pairs import BUNDLED_DIR, PACKAGE_DIR  # noqa: F401  (the tiny pair's folders live in BUNDLED_DIR)
 SPECIAL_TOKENS = ["<|endoftext|>", "<|pad|>", "<|mask|>"]
 
 
-def load(path: str | Path | None = None, dtype: torch.dtype | str = "auto"):
-    """`(target, drafter, tokenizer)` of the bundled reference suite (or of a folder `reference build` wrote), in
-    `dtype` ("auto": the dtype the weights are stored in, the pair's run dtype)."""
+def load(pair: str | Path | None = None, dtype: torch.dtype | str = "auto"):
+    """`(target, drafter, tokenizer)` of a reference pair: a name (`"smollm2-135m"`, the default: SmolLM2-135M-Instruct
+    and its bundled drafter; `"tiny"`: the small pair trained here) or a folder `reference build` wrote, in `dtype`
+    ("auto": the dtype the weights are stored in, the pair's run dtype)."""
     from transformers import AutoModel, AutoModelForCausalLM, AutoTokenizer
 
     import treeflash_hf  # noqa: F401  (registers the drafter class)
 
-    root = Path(path) if path is not None else BUNDLED_DIR
-    if not (root / "target").exists():
-        raise FileNotFoundError(
-            f"No reference models in {root}: run `treeflash-hf reference build --out {root}` first."
-        )
-    tokenizer = AutoTokenizer.from_pretrained(root / "tokenizer")
-    target = AutoModelForCausalLM.from_pretrained(root / "target", dtype=dtype, attn_implementation="sdpa").eval()
-    drafter = AutoModel.from_pretrained(root / "drafter", dtype=target.dtype).eval()
+    from .pairs import DEFAULT_PAIR, PAIRS, pair_dirs
+
+    pair = DEFAULT_PAIR if pair is None else pair
+    if isinstance(pair, str) and pair in PAIRS:
+        target_dir, drafter_dir, tokenizer_dir = pair_dirs(pair)
+    else:
+        root = Path(pair)
+        if not (root / "target").exists():
+            raise FileNotFoundError(
+                f"No reference models in {root}: pass a pair name ({', '.join(PAIRS)}) or run "
+                f"`treeflash-hf reference build --out {root}` first.")
+        target_dir, drafter_dir, tokenizer_dir = root / "target", root / "drafter", root / "tokenizer"
+    tokenizer = AutoTokenizer.from_pretrained(tokenizer_dir)
+    target = AutoModelForCausalLM.from_pretrained(target_dir, dtype=dtype, attn_implementation="sdpa").eval()
+    drafter = AutoModel.from_pretrained(drafter_dir, dtype=target.dtype).eval()
     return target, drafter, tokenizer
 
 
@@ -494,6 +501,9 @@ def evaluate(args: argparse.Namespace) -> int:
 def add_parser(subparsers) -> None:
     parser = subparsers.add_parser("reference", help="Build or evaluate the bundled reference suite.")
     sub = parser.add_subparsers(dest="reference_command", required=True)
+    from . import drafter_recipe
+
+    drafter_recipe.add_parser(sub)
     e = sub.add_parser("eval", help="Bits per byte of the reference target on held-out code.")
     e.add_argument("--models", help="a folder `reference build` wrote (default: the bundled suite)")
     e.add_argument("--windows", type=int, default=256, help="windows of --seq-len tokens per set")

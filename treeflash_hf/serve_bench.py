@@ -15,7 +15,7 @@ import statistics
 import time
 from pathlib import Path
 
-from .cli import positive_int
+from .arguments import add_pair_argument, positive_int
 from .serving import running_server
 
 SERVERS = ("plain", "treeflash")
@@ -140,15 +140,19 @@ def format_table(report: dict) -> str:
 
 
 def run(args: argparse.Namespace) -> int:
-    from . import reference
-    from .bench import load_prompts
     from .bundle import is_bundle
+    from .prompt_sets import load_prompts
 
-    folder = Path(args.folder) if args.folder else reference.BUNDLED_DIR / "target"
+    from transformers import AutoTokenizer
+
+    from .pairs import pair_dirs
+
+    folder = Path(args.folder) if args.folder else pair_dirs(args.pair)[0]
     if not is_bundle(folder):
         raise FileNotFoundError(f"{folder} is not a TreeFlash model folder (no treeflash.json): write one with "
                                 "`treeflash-hf bundle --target T --drafter D --out DIR`.")
-    prompts = load_prompts(args.prompts, args.num_prompts)
+    prompt_set = args.prompts or ("packages-heldout" if args.pair == "tiny" and not args.folder else "instruct-heldout")
+    prompts = load_prompts(prompt_set, args.num_prompts, AutoTokenizer.from_pretrained(folder))
     report = run_serve_bench(folder, prompts, args.max_tokens, args.repeats, args.dtype, args.device)
     print(format_table(report))
     if args.json:
@@ -160,9 +164,10 @@ def run(args: argparse.Namespace) -> int:
 def add_parser(subparsers) -> None:
     parser = subparsers.add_parser(
         "serve-bench", help="First-token latency and tokens/s through `transformers serve`: TreeFlash vs. plain.")
-    parser.add_argument("--folder", help="a TreeFlash model folder (default: the bundled reference target)")
-    parser.add_argument("--prompts", default="packages-heldout",
-                        help="packages-heldout, humaneval, stdlib-heldout, or a JSONL file of {\"prompt\": ...}")
+    add_pair_argument(parser, " (unless --folder is given)")
+    parser.add_argument("--folder", help="a TreeFlash model folder (default: the pair's)")
+    parser.add_argument("--prompts", help="instruct-heldout (default; packages-heldout on the tiny pair), humaneval, "
+                                          "stdlib-heldout, or a JSONL file of {\"prompt\": ...} or {\"messages\": ...}")
     parser.add_argument("--num-prompts", type=positive_int, default=8)
     parser.add_argument("--max-tokens", type=positive_int, default=96)
     parser.add_argument("--repeats", type=positive_int, default=3)

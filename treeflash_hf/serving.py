@@ -23,7 +23,7 @@ import urllib.error
 import urllib.request
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Iterator
+from typing import Iterator, Sequence
 
 LOOPBACK = "127.0.0.1"
 
@@ -54,11 +54,13 @@ def free_port() -> int:
 
 
 def serve_command(model: str, port: int, trust_remote_code: bool, dtype: str = "float32",
-                  device: str = "auto") -> list[str]:
-    """The `transformers serve` command line for one pinned model on the loopback address."""
+                  device: str = "auto", extra_args: Sequence[str] = ()) -> list[str]:
+    """The `transformers serve` command line for one pinned model on the loopback address, then `extra_args` (other
+    `transformers serve` options, e.g. `--continuous-batching`)."""
     return [sys.executable, "-m", "transformers.cli.transformers", "serve", model, "--host", LOOPBACK, "--port",
             str(port), "--dtype", dtype, "--device", device,
-            "--trust-remote-code" if trust_remote_code else "--no-trust-remote-code", "--log-level", "warning"]
+            "--trust-remote-code" if trust_remote_code else "--no-trust-remote-code", "--log-level", "warning",
+            *extra_args]
 
 
 def is_ready(base_url: str, timeout_s: float = 2.0) -> bool:
@@ -84,11 +86,11 @@ def stop_server(process: subprocess.Popen, grace_s: float = 30.0) -> int:
 
 @contextlib.contextmanager
 def running_server(model: str | Path, trust_remote_code: bool, dtype: str = "float32", device: str = "auto",
-                   startup_timeout_s: float = 300.0, env: dict | None = None,
-                   log_path: Path | None = None) -> Iterator[ServerProcess]:
-    """Start `transformers serve MODEL` (pinned to that model, loaded at startup) and yield it once it answers; stop it
-    on exit however the block ends. `env` replaces the child's environment (default: this process's); the log goes
-    to `log_path` (default: a temporary file, removed afterwards)."""
+                   startup_timeout_s: float = 300.0, env: dict | None = None, log_path: Path | None = None,
+                   extra_args: Sequence[str] = ()) -> Iterator[ServerProcess]:
+    """Start `transformers serve MODEL` (pinned to that model, loaded at startup; `extra_args` as in `serve_command`)
+    and yield it once it answers; stop it on exit however the block ends. `env` replaces the child's environment
+    (default: this process's); the log goes to `log_path` (default: a temporary file, removed afterwards)."""
     port = free_port()
     keep_log = log_path is not None
     if log_path is None:
@@ -96,7 +98,8 @@ def running_server(model: str | Path, trust_remote_code: bool, dtype: str = "flo
         os.close(handle)
         log_path = Path(name)
     with open(log_path, "wb") as log:
-        process = subprocess.Popen(serve_command(str(model), port, trust_remote_code, dtype, device), stdout=log,
+        process = subprocess.Popen(serve_command(str(model), port, trust_remote_code, dtype, device,
+                                                 extra_args), stdout=log,
                                    stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, env=env or dict(os.environ))
     server = ServerProcess(process, f"http://{LOOPBACK}:{port}", str(model), Path(log_path))
     try:

@@ -62,6 +62,41 @@ def sample_anchors(batch: int, seq_len: int, block_size: int, num_anchors: int, 
     return 1 + torch.multinomial(useful, num_anchors, replacement=True, generator=generator)
 
 
+@dataclass
+class Teacher:
+    """The verifier's next-token log-probs at every context position: row j predicts token j + 1. log_probs:
+    `[B, T, K]`; ids: `[B, T, K]` the vocabulary ids of those K entries (a cached top-K, sorted by descending
+    log-prob), or None when `log_probs` covers the whole vocabulary (K = V)."""
+
+    log_probs: torch.Tensor
+    ids: torch.LongTensor | None = None
+
+    def at(self, positions: torch.LongTensor) -> "Teacher":
+        """The rows predicting the tokens at `positions [B, P]` (rows `positions - 1`): `[B, P, K]`."""
+        rows = (positions - 1)[..., None].expand(-1, -1, self.log_probs.shape[-1])
+        return Teacher(self.log_probs.gather(1, rows), None if self.ids is None else self.ids.gather(1, rows))
+
+    def argmax(self) -> torch.LongTensor:
+        """The verifier's greedy token per row `[...]`."""
+        best = self.log_probs.argmax(-1)
+        return best if self.ids is None else self.ids.gather(-1, best[..., None])[..., 0]
+
+    def kl(self, drafter_log_probs: torch.Tensor) -> torch.Tensor:
+        """`KL(p || q)` per row for the drafter's full-vocabulary log-probs `[..., V]`, over the teacher's entries
+        (a top-K teacher drops the tail beyond its K tokens, whose mass it does not know)."""
+        q = drafter_log_probs if self.ids is None else drafter_log_probs.gather(-1, self.ids)
+        return (self.log_probs.exp() * (self.log_probs - q)).sum(-1)
+
+
+def target_teacher(target, tokens: torch.LongTensor, layer_ids: list[int]) -> tuple[torch.Tensor, Teacher]:
+    """The frozen target teacher-forced over `tokens [B, T]`: the context features `[B, T, n*H]` (outputs of
+    `layer_ids`, concatenated) and its full next-token distributions."""
+    with torch.no_grad():
+        out = target(tokens, output_hidden_states=[i + 1 for i in layer_ids])
+        context = torch.cat([out.hidden_states[i + 1] for i in layer_ids], dim=-1)
+        return context, Teacher(torch.log_softmax(out.logits.float(), dim=-1))
+
+
 def drafter_loss_terms(
     target,
     drafter,
@@ -74,19 +109,33 @@ def drafter_loss_terms(
     """The loss of `drafter_loss` as sums: `loss_sum` = sum of slot-weighted losses, `weight` = sum of slot
     weights, metrics as (numerator, denominator), so that the shares of a batch computed on several processes
     add up to the loss and metrics of the whole batch. anchors: `[B, A]` block starts (`sample_anchors`)."""
+    tokens = input_ids[:, :-1]  # [B, T]
+    context, teacher = target_teacher(target, tokens, list(drafter.config.target_layer_ids))
+    return block_loss_terms(drafter, target.get_input_embeddings(), target.get_output_embeddings(), input_ids,
+                            context, teacher, loss_config, anchors, loss_mask, stage)
+
+
+def block_loss_terms(
+    drafter,
+    embed: torch.nn.Module,
+    lm_head: torch.nn.Module,
+    input_ids: torch.LongTensor,
+    context: torch.Tensor,
+    teacher: Teacher,
+    loss_config: DrafterLossConfig,
+    anchors: torch.LongTensor,
+    loss_mask: torch.Tensor | None = None,
+    stage: str | None = None,
+) -> LossTerms:
+    """The drafter's blocks at `anchors [B, A]` over the context features `[B, T, n*H]` of `input_ids [B, T + 1]`
+    (the last token only a label), scored against `teacher` (live from the target, or cached features); `embed` and
+    `lm_head` are the target's (frozen)."""
     stage = stage or loss_config.stage
     config = drafter.config
     block = config.block_size
     tokens = input_ids[:, :-1]  # [B, T]
     batch, seq_len = tokens.shape
     device = drafter.device
-    embed = target.get_input_embeddings()
-    lm_head = target.get_output_embeddings()
-    with torch.no_grad():
-        out = target(tokens, output_hidden_states=[i + 1 for i in config.target_layer_ids])
-        context = torch.cat([out.hidden_states[i + 1] for i in config.target_layer_ids], dim=-1)  # [B, T, n*H]
-        teacher_logp = torch.log_softmax(out.logits.float(), dim=-1)  # [B, T, V]: row j predicts token j + 1
-
     anchors = anchors.to(device)  # [B, A]
     num_anchors = anchors.shape[1]
     slot = torch.arange(block, device=device)
@@ -102,7 +151,7 @@ def drafter_loss_terms(
     hidden = hidden.view(batch, num_anchors, block, -1)[:, :, 1:]  # slots 1..Q-1: [B, A, Q-1, H]
 
     predicted_pos = (anchors[:, :, None] + slot[1:]).reshape(batch, -1)  # [B, A*(Q-1)] positions a + k
-    teacher = teacher_logp.gather(1, (predicted_pos - 1)[..., None].expand(-1, -1, teacher_logp.shape[-1]))
+    teacher = teacher.at(predicted_pos)  # [B, A*(Q-1), K]
     if stage == "backbone":
         final_hidden = drafter.norm(hidden)
     else:
@@ -112,9 +161,9 @@ def drafter_loss_terms(
             if config.ar_num_prev_tokens == 2:
                 prev2_embeds = embed(tokens.gather(1, predicted_pos - 2)).view_as(hidden)
         final_hidden = drafter.ar_corrected_hidden_states(hidden, prev_embeds, prev2_embeds)
-    drafter_logp = torch.log_softmax(lm_head(final_hidden).float(), dim=-1).view(batch, -1, teacher.shape[-1])
+    drafter_logp = torch.log_softmax(lm_head(final_hidden).float(), dim=-1).view(batch, predicted_pos.shape[1], -1)
 
-    kl = (teacher.exp() * (teacher - drafter_logp)).sum(-1)  # [B, A*(Q-1)]
+    kl = teacher.kl(drafter_logp)  # [B, A*(Q-1)]
     weights = slot_weights(block, loss_config.decay).to(device).repeat(num_anchors)[None].expand(batch, -1)
     if loss_mask is not None:
         weights = weights * loss_mask.to(device).gather(1, predicted_pos)
@@ -125,7 +174,7 @@ def drafter_loss_terms(
         per_slot = (1 - loss_config.ce_weight) * kl + loss_config.ce_weight * ce
     with torch.no_grad():
         weight = weights.sum()
-        agree = (drafter_logp.argmax(-1) == teacher.argmax(-1)).float().view(batch, num_anchors, block - 1)
+        agree = (drafter_logp.argmax(-1) == teacher.argmax()).float().view(batch, num_anchors, block - 1)
         blocks = batch * num_anchors
         metrics = {"kl": ((kl * weights).sum(), weight),
                    "top1_slot1": (agree[:, :, 0].sum(), blocks), "top1_mean": (agree.sum(), agree.numel()),
@@ -212,5 +261,5 @@ def train_drafter(target, drafter, train_data, heldout_batches: list, loss_confi
     return train_loop(drafter, loss_fn, eval_fn, config, f"drafter-{loss_config.stage}")
 
 
-__all__ = ["DrafterLossConfig", "drafter_loss", "drafter_loss_terms", "freeze_for_stage", "slot_weights",
+__all__ = ["DrafterLossConfig", "Teacher", "block_loss_terms", "drafter_loss", "drafter_loss_terms", "target_teacher", "freeze_for_stage", "slot_weights",
            "train_drafter", "block_attention_mask", "sample_anchors"]

@@ -1,0 +1,77 @@
+"""Prompt sets (chat messages through the chat template; evaluation requests never trained on) and the cached
+target features the drafter recipe trains from."""
+
+import json
+
+import numpy as np
+import pytest
+import torch
+
+from treeflash_hf import reference
+from treeflash_hf.prompt_sets import PromptFileError, eval_requests, load_prompts, training_requests
+from treeflash_hf.training.drafter import DrafterLossConfig, block_loss_terms, drafter_loss_terms, sample_anchors
+from treeflash_hf.training.features import FeatureStore, create_store, fill_store
+
+TEMPLATE = "{% for m in messages %}<{{ m['role'] }}>{{ m['content'] }}{% endfor %}{% if add_generation_prompt %}<a>{% endif %}"
+
+
+class TinyChatTokenizer:
+    chat_template = TEMPLATE
+
+    def apply_chat_template(self, messages, tokenize, add_generation_prompt):
+        assert tokenize is False and add_generation_prompt is True
+        return "".join(f"<{m['role']}>{m['content']}" for m in messages) + "<a>"
+
+
+def test_jsonl_lines_take_prompts_or_chat_messages(tmp_path):
+    path = tmp_path / "set.jsonl"
+    path.write_text(json.dumps({"prompt": "def f():"}) + "\n"
+                    + json.dumps({"messages": [{"role": "user", "content": "hi"}]}) + "\n")
+    assert load_prompts(str(path), tokenizer=TinyChatTokenizer()) == ["def f():", "<user>hi<a>"]
+    with pytest.raises(PromptFileError, match="chat messages need a tokenizer with a chat template"):
+        load_prompts(str(path), tokenizer=None)
+    path.write_text(json.dumps({"messages": [{"role": "user"}]}) + "\n")
+    with pytest.raises(PromptFileError, match=r'set.jsonl:1: expected .* "messages" list'):
+        load_prompts(str(path), tokenizer=TinyChatTokenizer())
+
+
+def test_instruction_set_is_held_out_from_training_requests():
+    requests = eval_requests()
+    assert len(requests) == 36 and len(set(requests)) == 36
+    prompts = load_prompts("instruct-heldout", 6, tokenizer=TinyChatTokenizer())
+    assert prompts[0].startswith("<user>Write a Python function") and len(prompts) == 6
+    code = ['def area(width, height):\n    """Return the area of a rectangle."""\n    return width * height\n']
+    training = training_requests(code, count=40, seed=1)
+    assert len(training) == 40 and not set(training) & set(requests)
+    assert any("area(width, height)" in r for r in training)  # a code request from the corpus's docstring
+
+
+@pytest.fixture(scope="module")
+def tiny():
+    return reference.load("tiny", dtype=torch.float32)
+
+
+def test_cached_features_give_the_live_loss(tiny, tmp_path):
+    """Training from the store equals training against the live target when the cache keeps the whole vocabulary."""
+    target, drafter, tokenizer = tiny
+    generator = torch.Generator().manual_seed(0)
+    windows = torch.randint(3, target.config.vocab_size, (3, 65), generator=generator).numpy()
+    masks = np.ones_like(windows, dtype=np.uint8)
+    layers = list(drafter.config.target_layer_ids)
+    vocab = target.config.vocab_size
+    create_store(tmp_path, windows, masks, layers, target.config.hidden_size, top_k=vocab, heldout=1)
+    assert fill_store(target, tmp_path, batch_size=2, minutes=0) == 0  # no time: nothing written, nothing done
+    assert fill_store(target, tmp_path, batch_size=2) == 3
+    store = FeatureStore(tmp_path)
+    ids, mask, context, teacher = store.rows(np.arange(1, 3))
+    assert torch.equal(ids, torch.from_numpy(windows[1:3]).long())
+    config = DrafterLossConfig(stage="ar", num_anchors=4)
+    anchors = sample_anchors(2, 64, drafter.config.block_size, 4, torch.Generator().manual_seed(1))
+    with torch.no_grad(), torch.autocast("cpu", dtype=torch.bfloat16):
+        live = drafter_loss_terms(target, drafter, ids, config, anchors)
+    with torch.no_grad():
+        cached = block_loss_terms(drafter, target.get_input_embeddings(), target.get_output_embeddings(), ids,
+                                  context.float(), teacher, config, anchors)
+    # the store holds bfloat16 features and float16 log-probs of a bfloat16-autocast forward
+    assert float(cached.loss_sum) == pytest.approx(float(live.loss_sum), rel=0.05)
+    assert len(store.heldout_batches(4)) == 1 and store.batch(0, 2)[0].shape == (2, 65)

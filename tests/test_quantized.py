@@ -1,0 +1,231 @@
+"""Quantized targets (issue 22): the support matrix on a small random Llama, float32 compute.
+
+For every backend that installs and runs on this CPU (the `quant` extra), greedy TreeFlash must be
+token-identical to the quantized target's own plain `generate()`, with its lm_head left to the backend's
+default and quantized too (not skipped, not tied). The drafter scores its drafts with the target's head: a plain
+Linear through its weight, a quantized one through one exact dense copy or, where no copy reproduces it, by calling
+it. Backends whose kernels make a token's logits depend on the other tokens of the forward (bitsandbytes' outlier
+handling, torchao's dynamic int8 activations) are detected at the first call and warned about, once; dense and
+weight-only targets never warn. Sampling from a quantized target keeps its distribution. Each library is optional:
+its tests skip where it is not installed (`pip install -e ".[test,quant]"` has them all).
+"""
+
+from __future__ import annotations
+
+import copy
+import logging
+import random
+
+import pytest
+import torch
+from transformers import AutoModelForCausalLM
+
+from treeflash_hf import TreeOptions, forget_learned_state, treeflash_generate
+from treeflash_hf.draft import TargetHead, TreeFlashCandidateGenerator
+from treeflash_hf.testing import matching_drafter, random_target
+from treeflash_hf.validation import TreeFlashInputError
+
+from .conftest import randomise_ar_layer
+from .oracle import OracleCandidateGenerator
+from .test_lossless_sampling import ALPHA, NEW_TOKENS, TEMPERATURE, TOP_P, VOCAB, chi_square_p, exact_joint
+
+WARNING_TEXT = "depend on the other tokens in the forward"
+
+
+def llama(seed: int = 0):
+    return random_target("llama", vocab_size=512, hidden_size=128, num_layers=2, num_heads=4, num_kv_heads=2,
+                         seed=seed)
+
+
+@pytest.fixture(scope="module")
+def saved_llama(tmp_path_factory):
+    """A random Llama (untied lm_head) saved, so that each backend quantizes it on load like a checkpoint."""
+    target = llama()
+    path = tmp_path_factory.mktemp("llama")
+    target.save_pretrained(path)
+    return path, target
+
+
+@pytest.fixture(scope="module")
+def drafter(saved_llama):
+    return randomise_ar_layer(matching_drafter(saved_llama[1], seed=1))
+
+
+def load(path, quantization_config):
+    return AutoModelForCausalLM.from_pretrained(path, quantization_config=quantization_config,
+                                                dtype=torch.float32).eval()
+
+
+def quantized(backend: str, path, base):
+    """The saved Llama quantized by `backend`; a name ending in "+head" quantizes lm_head as well."""
+    name, _, head = backend.partition("+")
+    skip = [] if head else None  # []: every Linear, lm_head included; None: transformers' default (head kept)
+    if name.startswith("torchao"):
+        quantization = pytest.importorskip("torchao.quantization")
+        from transformers import TorchAoConfig
+
+        config = {
+            "torchao-int8": lambda: quantization.Int8WeightOnlyConfig(),
+            "torchao-int4-g32": lambda: quantization.IntxWeightOnlyConfig(torch.int4, quantization.PerGroup(32)),
+            "torchao-int4-g64": lambda: quantization.IntxWeightOnlyConfig(torch.int4, quantization.PerGroup(64)),
+            "torchao-dyn8": lambda: quantization.Int8DynamicActivationInt8WeightConfig(),
+        }[name]()
+        return load(path, TorchAoConfig(config, modules_to_not_convert=skip))
+    if name.startswith("quanto"):
+        pytest.importorskip("optimum.quanto")
+        from transformers import QuantoConfig
+
+        return load(path, QuantoConfig(weights=name.removeprefix("quanto-"), modules_to_not_convert=skip))
+    if name == "hqq-4bit":  # transformers 5.24's HqqConfig is "not available yet": quantize the loaded model
+        pytest.importorskip("hqq")
+        from hqq.core.quantize import BaseQuantizeConfig, HQQLinear
+        from hqq.models.hf.base import AutoHQQHFModel
+
+        target, config = copy.deepcopy(base), BaseQuantizeConfig(nbits=4, group_size=64)
+        AutoHQQHFModel.quantize_model(target, quant_config=config, compute_dtype=torch.float32, device="cpu")
+        if head:  # quantize_model leaves lm_head a Linear
+            target.lm_head = HQQLinear(target.lm_head, config, compute_dtype=torch.float32, device="cpu")
+        return target.eval()
+    if name.startswith("bnb"):
+        pytest.importorskip("bitsandbytes")
+        from transformers import BitsAndBytesConfig
+
+        if name == "bnb-8bit":
+            return load(path, BitsAndBytesConfig(load_in_8bit=True, llm_int8_skip_modules=skip))
+        return load(path, BitsAndBytesConfig(load_in_4bit=True, bnb_4bit_quant_type="nf4",
+                                             bnb_4bit_compute_dtype=torch.float32, llm_int8_skip_modules=skip))
+    raise ValueError(backend)
+
+
+def prompts(seed: int, count: int = 2) -> list[torch.LongTensor]:
+    rng = random.Random(seed)
+    return [torch.tensor([[rng.randrange(511) for _ in range(rng.randint(4, 12))]]) for _ in range(count)]
+
+
+def assert_lossless(target, drafter, max_new: int = 20) -> None:
+    """Greedy TreeFlash (a random drafter at two budgets, and an oracle drafter that gets long paths accepted)
+    equals the target's own `generate()`."""
+    for index, prompt in enumerate(prompts(seed=3)):
+        reference = target.generate(prompt, max_new_tokens=max_new + 8, do_sample=False)
+        expected = reference[:, : prompt.shape[1] + max_new]
+        for budget in (4, 16):
+            out = target.generate(prompt, assistant_model=drafter, max_new_tokens=max_new, do_sample=False,
+                                  tree_budget=budget)
+            assert torch.equal(out, expected), budget
+        options = TreeOptions(tree_mode="treeflash", tree_budget=16, tree_top_m=4, tree_top_k=4)
+        oracle = OracleCandidateGenerator(drafter, target, options, reference[0].tolist(), seed=index, max_rank=1)
+        out = treeflash_generate(target, drafter, prompt, max_new_tokens=max_new, candidate_generator=oracle,
+                                 tree_budget=16, tree_top_m=4, tree_top_k=4)
+        assert torch.equal(out.sequences, expected)
+        assert max(out.accepted_lengths) >= 3  # trees really were accepted deep into the quantized target
+
+
+WEIGHT_ONLY = ["torchao-int8", "torchao-int8+head", "torchao-int4-g32+head", "torchao-int4-g64", "quanto-int8+head",
+               "quanto-int4", "quanto-int4+head", "hqq-4bit", "hqq-4bit+head"]
+
+
+@pytest.mark.parametrize("backend", WEIGHT_ONLY)
+def test_weight_only_backends_are_lossless(saved_llama, drafter, backend, caplog):
+    """Their quantized heads dequantize exactly: the drafter side gets one dense copy (its CPU shortlist reads rows)."""
+    target = quantized(backend, *saved_llama)
+    assert TreeFlashCandidateGenerator(drafter, target, TreeOptions()).head.weight is not None
+    with caplog.at_level(logging.WARNING, logger="treeflash_hf"):
+        assert_lossless(target, drafter)
+    assert WARNING_TEXT not in caplog.text
+
+
+def test_called_head_and_its_shortlist_are_lossless(saved_llama, drafter, monkeypatch):
+    """A head with no exact dense copy is called: full logits, the CPU shortlist taken from them."""
+    target = quantized("torchao-int8+head", *saved_llama)
+    dense = TargetHead(target.lm_head, 128, torch.device("cpu"), torch.float32)
+    monkeypatch.setattr("treeflash_hf.draft.dense_weight_candidate", lambda module: None)
+    called = TargetHead(target.lm_head, 128, torch.device("cpu"), torch.float32)
+    assert called.weight is None and dense.weight is not None
+    hidden, tokens = torch.randn(3, 2, 128), torch.randint(0, 512, (3, 64))
+    torch.testing.assert_close(called.logits(hidden), dense.logits(hidden))
+    torch.testing.assert_close(called.shortlist_logits(hidden, tokens), dense.shortlist_logits(hidden, tokens))
+    assert called.logits(torch.randn(3, 0, 128)).shape == (3, 0, 512)  # no depth left: no call (torchao fails)
+    assert_lossless(target, drafter)
+
+
+def test_a_head_that_cannot_be_called_is_an_input_error(drafter):
+    class BrokenHead(torch.nn.Module):
+        def forward(self, hidden):
+            raise RuntimeError("packed weights need a CUDA kernel")
+
+    target = llama()
+    target.lm_head = BrokenHead()
+    with pytest.raises(TreeFlashInputError, match="BrokenHead.*CUDA kernel.*unquantized") as caught:
+        target.generate(torch.tensor([[1, 2, 3]]), assistant_model=drafter, max_new_tokens=4, do_sample=False)
+    assert caught.value.__cause__ is None and caught.value.__suppress_context__  # no torch trace attached
+
+
+@pytest.mark.parametrize("backend", ["bnb-8bit+head", "bnb-nf4+head"])
+def test_bitsandbytes_runs_with_a_quantized_head(saved_llama, drafter, backend, caplog):
+    """bitsandbytes heads (packed Int8Params / Params4bit) have no exact dense copy: the head is called. On real
+    models their kernels couple the tokens of a forward (see the next test); on this one, whose activations have
+    no outliers, no coupling shows, and then TreeFlash must be identical and silent."""
+    target = quantized(backend, *saved_llama)
+    assert TreeFlashCandidateGenerator(drafter, target, TreeOptions()).head.weight is None
+    with caplog.at_level(logging.WARNING, logger="treeflash_hf"):
+        assert_lossless(target, drafter)
+    assert WARNING_TEXT not in caplog.text
+
+
+@pytest.mark.parametrize("backend,name", [("bnb-8bit", "bitsandbytes llm_int8"),
+                                          ("torchao-dyn8+head", "torchao Int8DynamicActivationInt8WeightConfig")])
+def test_forward_shape_dependent_backend_warns_once(tmp_path, drafter, caplog, backend, name):
+    """LLM.int8 computes the input columns that hold an outlier (|x| > 6) in any token of the forward apart, and
+    torchao's dynamic int8 activations change a token's logits with the shape of the forward too: give the Llama
+    outlier features and it shows."""
+    target = llama()
+    with torch.no_grad():
+        for layer in target.model.layers:
+            layer.input_layernorm.weight[:3] = 30.0
+            layer.post_attention_layernorm.weight[:3] = 30.0
+    target.save_pretrained(tmp_path)
+    target = quantized(backend, tmp_path, None)
+    prompt = prompts(seed=5, count=1)[0]
+    with caplog.at_level(logging.WARNING, logger="treeflash_hf"):
+        for _ in range(2):
+            target.generate(prompt, assistant_model=drafter, max_new_tokens=6, do_sample=False)
+    warnings = [record.getMessage() for record in caplog.records if WARNING_TEXT in record.getMessage()]
+    assert len(warnings) == 1, warnings
+    assert name in warnings[0] and "near-ties" in warnings[0]
+
+
+def test_dense_float32_target_never_warns(drafter, caplog):
+    target = llama(seed=7)
+    with caplog.at_level(logging.WARNING, logger="treeflash_hf"):
+        for prompt in prompts(seed=6, count=3):
+            target.generate(prompt, assistant_model=drafter, max_new_tokens=6, do_sample=False)
+    assert WARNING_TEXT not in caplog.text
+
+
+def test_sampling_from_a_quantized_target_keeps_its_distribution():
+    """test_lossless_sampling's chi-square check on a torchao int8 weight-only target, lm_head quantized (applied
+    with `quantize_` directly: no `quantization_config`): samples follow the quantized target's own distribution."""
+    quantization = pytest.importorskip("torchao.quantization")
+    target = random_target("qwen3", vocab_size=VOCAB, hidden_size=32, num_layers=2, num_heads=2, num_kv_heads=1,
+                           seed=21)
+    with torch.no_grad():  # sharpen the random head so that distributions are far from uniform
+        target.lm_head.weight.mul_(15.0)
+    quantization.quantize_(target, quantization.Int8WeightOnlyConfig())  # every Linear, lm_head included
+    drafter = randomise_ar_layer(matching_drafter(target, seed=22, block_size=4), std=0.5)
+    assert TreeFlashCandidateGenerator(drafter, target, TreeOptions()).head.weight is not None
+    prompt, samples = torch.tensor([[1, 4, 2]]), 1000
+    expected = exact_joint(target, prompt, TEMPERATURE)
+    torch.manual_seed(1234)
+    counts: dict[tuple[int, ...], int] = {}
+    accepted_total = 0
+    for _ in range(samples):
+        forget_learned_state(drafter)
+        out = treeflash_generate(target, drafter, prompt, max_new_tokens=NEW_TOKENS, do_sample=True,
+                                 temperature=TEMPERATURE, top_p=TOP_P, tree_budget=4, tree_top_m=VOCAB,
+                                 tree_top_k=VOCAB)
+        outcome = tuple(out.sequences[0, prompt.shape[1]:].tolist())
+        counts[outcome] = counts.get(outcome, 0) + 1
+        accepted_total += sum(out.accepted_lengths)
+    assert accepted_total > samples // 20
+    assert chi_square_p(counts, expected, samples) > ALPHA
+    assert chi_square_p(counts, exact_joint(target, prompt, TEMPERATURE * 1.5), samples) < ALPHA

@@ -1,0 +1,300 @@
+"""`treeflash-hf reference train-drafter`: the recipe of the bundled SmolLM2-135M-Instruct drafter.
+
+Stages (each time-bounded and resumable from `--work`, an ignored folder that may carry a stage into the next
+session; a stage whose output exists is skipped):
+1. `distill`: the target's own greedy answers (self-distillation, as DFlash trains) to training requests
+   (`prompt_sets.training_requests`: from docstrings of the training corpus, topics and arithmetic templates; never
+   the evaluation set, never HumanEval), batched, saved chunk by chunk.
+2. `windows`: fixed windows of `--seq-len + 1` tokens: the chat answers (loss on the answer tokens only) and the
+   code corpus (`reference.corpus_split`: standard library and site-packages, reserved packages excluded), shuffled;
+   the first windows (held-out code and the last chat answers) are the held-out set.
+3. `features`: the frozen target runs once over every window (`training/features.py`): context features and its
+   top-K next-token log-probs, kept for every epoch of the stages below.
+4. `backbone`, then `ar`: the drafter stages of `training/drafter.py`, from the cached features.
+5. `export`: the drafter in bfloat16 with its tree defaults, README and training summary, into `--out`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import time
+from pathlib import Path
+from types import SimpleNamespace
+
+import numpy as np
+import torch
+
+STAGES = ("distill", "windows", "features", "backbone", "ar", "export")
+MASK_TOKEN = "<empty_output>"  # id 16: a special token never used in chat; the target's embeddings are frozen
+
+
+def load_target(args: argparse.Namespace):
+    """The SmolLM2 target (float32 weights: the stages run it under bfloat16 autocast) and its tokenizer."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from .pairs import smollm2_target_dir
+
+    folder = smollm2_target_dir()
+    target = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32, attn_implementation="sdpa").eval()
+    target.requires_grad_(False)
+    return target, AutoTokenizer.from_pretrained(folder)
+
+
+def distill(target, tokenizer, work: Path, args: argparse.Namespace) -> None:
+    """Answer the training requests greedily, `--distill-batch` at a time; each chunk is saved on its own
+    (`distill/chunk-NNNNN.json`, named by its first request: token ids and prompt length per request), so the stage
+    resumes by chunk. Batches are large: under autocast a decode step's cost is mostly casting the weights, which a
+    bigger batch shares."""
+    from .prompt_sets import training_requests
+    from .reference import corpus_split
+
+    out = work / "distill"
+    out.mkdir(parents=True, exist_ok=True)
+    requests_file = out / "requests.json"  # made once: parsing the corpus's docstrings takes minutes
+    if requests_file.exists():
+        requests = json.loads(requests_file.read_text())
+    else:
+        requests = training_requests(corpus_split(site_packages=True)["train"], args.distill_requests, seed=args.seed)
+        requests_file.write_text(json.dumps(requests))
+    tokenizer.padding_side = "left"
+    started = time.time()
+    for start in range(0, len(requests), args.distill_batch):
+        path = out / f"chunk-{start:05d}.json"  # named by its first request: a rerun may change the batch size
+        if path.exists():
+            continue
+        if time.time() - started > args.distill_minutes * 60:
+            print(f"distill: time budget spent at request {start}; rerun to continue")
+            return
+        messages = [[{"role": "user", "content": text}] for text in requests[start : start + args.distill_batch]]
+        batch = tokenizer.apply_chat_template(messages, add_generation_prompt=True, return_tensors="pt",
+                                              padding=True, return_dict=True)
+        with torch.no_grad(), torch.autocast("cpu", dtype=torch.bfloat16):
+            generated = target.generate(**batch, max_new_tokens=args.distill_tokens, do_sample=False)
+        rows = []
+        prompt_width = batch["input_ids"].shape[1]
+        for row in range(generated.shape[0]):
+            prompt = batch["input_ids"][row][batch["attention_mask"][row].bool()].tolist()
+            answer = generated[row, prompt_width:].tolist()
+            if tokenizer.eos_token_id in answer:
+                answer = answer[: answer.index(tokenizer.eos_token_id) + 1]
+            rows.append({"ids": prompt + answer, "prompt_len": len(prompt)})
+        tmp = path.with_suffix(".tmp")
+        tmp.write_text(json.dumps(rows))
+        tmp.replace(path)
+        print(f"distill: requests {start}-{start + len(rows)} of {len(requests)} ("
+              f"{(time.time() - started) / 60:.1f} min)", flush=True)
+
+
+def make_windows(tokenizer, work: Path, args: argparse.Namespace) -> tuple[np.ndarray, np.ndarray, int, dict]:
+    """Windows `[W, L + 1]` and loss masks; the first `heldout` windows are held out. Returns them with the data
+    sizes for the README."""
+    from .reference import corpus_split
+
+    length = args.seq_len + 1
+    chat_ids, chat_mask = [], []
+    chunks = sorted((work / "distill").glob("chunk-*.json"))
+    for path in chunks:
+        for row in json.loads(path.read_text()):
+            chat_ids.extend(row["ids"])
+            chat_mask.extend([0] * row["prompt_len"] + [1] * (len(row["ids"]) - row["prompt_len"]))
+    split = corpus_split(site_packages=True)
+    eos = tokenizer.convert_tokens_to_ids("<|endoftext|>")
+
+    def code_stream(texts: list[str], cap: int) -> list[int]:
+        ids: list[int] = []
+        for start in range(0, len(texts), 64):
+            for row in tokenizer(texts[start : start + 64], add_special_tokens=False)["input_ids"]:
+                ids.extend(row + [eos])
+            if len(ids) >= cap:
+                break
+        return ids[:cap]
+
+    def cut(ids: list[int], mask: list[int]) -> tuple[np.ndarray, np.ndarray]:
+        count = len(ids) // length
+        return (np.asarray(ids[: count * length], dtype=np.int32).reshape(count, length),
+                np.asarray(mask[: count * length], dtype=np.uint8).reshape(count, length))
+
+    code = code_stream(split["train"], args.code_tokens)
+    code_windows, code_masks = cut(code, [1] * len(code))
+    chat_windows, chat_masks = cut(chat_ids, chat_mask)
+    held_code = code_stream(split["heldout"], args.heldout_windows // 2 * length)
+    held_code_windows, held_code_masks = cut(held_code, [1] * len(held_code))
+    held_chat = args.heldout_windows - len(held_code_windows)
+    rng = np.random.default_rng(args.seed)
+    train_windows = np.concatenate([chat_windows[held_chat:], code_windows])
+    train_masks = np.concatenate([chat_masks[held_chat:], code_masks])
+    order = rng.permutation(len(train_windows))
+    windows = np.concatenate([held_code_windows, chat_windows[:held_chat], train_windows[order]])
+    masks = np.concatenate([held_code_masks, chat_masks[:held_chat], train_masks[order]])
+    sizes = {"chat_requests": sum(len(json.loads(p.read_text())) for p in chunks),
+             "chat_tokens": len(chat_ids), "chat_answer_tokens": int(sum(chat_mask)), "code_tokens": len(code),
+             "windows": len(windows), "heldout_windows": args.heldout_windows, "seq_len": args.seq_len}
+    return windows, masks, args.heldout_windows, sizes
+
+
+def new_drafter(target, args: argparse.Namespace, tokenizer):
+    from .reference import context_layer_ids
+    from .training.cli import new_drafter as base_drafter
+
+    options = SimpleNamespace(mask_token_id=tokenizer.convert_tokens_to_ids(MASK_TOKEN),
+                              drafter_layers=args.drafter_layers, block_size=16)
+    drafter = base_drafter(target, options)
+    config = drafter.config
+    config.target_layer_ids = context_layer_ids(target.config.num_hidden_layers, args.context_layers)
+    config.ar_intermediate_size = args.ar_intermediate
+    torch.manual_seed(args.seed)
+    return type(drafter)(config)
+
+
+def train_stage(stage: str, target, drafter, store, work: Path, args: argparse.Namespace) -> dict:
+    """One drafter stage on the cached features, time-bounded and resumable (`work/run-<stage>`)."""
+    from .reference import schedule_length
+    from .training.drafter import DrafterLossConfig, block_loss_terms, freeze_for_stage, sample_anchors
+    from .training.loop import LoopConfig, LossTerms, Shard, train_loop
+
+    embed, head = target.get_input_embeddings(), target.get_output_embeddings()
+    loss_config = DrafterLossConfig(stage=stage, num_anchors=args.num_anchors)
+    block = drafter.config.block_size
+    generator = torch.Generator()
+    freeze_for_stage(drafter, stage)
+
+    def terms(item, seed: int, stage_name: str = stage) -> LossTerms:
+        ids, mask, context, teacher = item
+        generator.manual_seed(seed)
+        anchors = sample_anchors(ids.shape[0], ids.shape[1] - 1, block, args.num_anchors, generator, mask)
+        return block_loss_terms(drafter, embed, head, ids, context, teacher, loss_config, anchors, mask, stage_name)
+
+    def loss_fn(step: int, shard: Shard) -> LossTerms:
+        return terms(store.batch(step, args.batch_size), args.seed * 7919 + step)
+
+    heldout = store.heldout_batches(args.batch_size)
+
+    def eval_fn(shard: Shard) -> dict:
+        totals: dict[str, tuple] = {}
+        for stage_name in (["backbone", "ar"] if stage == "ar" else ["backbone"]):
+            for index, item in enumerate(heldout):
+                for key, (num, den) in terms(item, 12345 + index, stage_name).metrics.items():
+                    old = totals.get(f"{stage_name}_{key}", (0.0, 0.0))
+                    totals[f"{stage_name}_{key}"] = (old[0] + float(num), old[1] + float(den))
+        return totals
+
+    run_dir = work / f"run-{stage}"
+    minutes = args.backbone_minutes if stage == "backbone" else args.ar_minutes
+
+    def probe(step: int) -> None:
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            loss = terms(store.batch(step, args.batch_size), step)
+        (loss.loss_sum / loss.weight).backward()
+        drafter.zero_grad(set_to_none=True)
+
+    max_steps = schedule_length(run_dir, minutes, probe)
+    config = LoopConfig(run_dir=str(run_dir), max_steps=max_steps, max_minutes=minutes, batch_size=args.batch_size,
+                        lr=args.lr, warmup_steps=min(50, max_steps // 10), eval_every=max(10, max_steps // 8),
+                        save_every=max(10, max_steps // 16), seed=args.seed, resume=True, mixed_precision="bf16")
+    return train_loop(drafter, loss_fn, eval_fn, config, f"drafter-{stage}")
+
+
+def run(args: argparse.Namespace) -> int:
+    from .training.features import FeatureStore, create_store, fill_store
+
+    torch.set_num_threads(args.threads)
+    work, out = Path(args.work), Path(args.out)
+    work.mkdir(parents=True, exist_ok=True)
+    target, tokenizer = load_target(args)
+    summary_file = work / "summary.json"
+    summary = json.loads(summary_file.read_text()) if summary_file.exists() else {}
+
+    def record(key: str, value) -> None:
+        summary[key] = value
+        summary_file.write_text(json.dumps(summary, indent=2))
+
+    if "distill" in args.stages:
+        started = time.time()
+        distill(target, tokenizer, work, args)
+        record("distill_minutes", summary.get("distill_minutes", 0.0) + (time.time() - started) / 60)
+    store_dir = work / "features"
+    if "windows" in args.stages and not (store_dir / "store.json").exists():
+        windows, masks, heldout, sizes = make_windows(tokenizer, work, args)
+        drafter_probe = new_drafter(target, args, tokenizer)
+        create_store(store_dir, windows, masks, list(drafter_probe.config.target_layer_ids),
+                     target.config.hidden_size, args.top_k, heldout)
+        record("data", sizes)
+    if "features" in args.stages:
+        started = time.time()
+        done = fill_store(target, store_dir, batch_size=4, minutes=args.features_minutes)
+        record("features_minutes", summary.get("features_minutes", 0.0) + (time.time() - started) / 60)
+        record("feature_windows_done", done)
+    drafter = new_drafter(target, args, tokenizer)
+    for stage in ("backbone", "ar"):
+        if stage in args.stages:
+            store = FeatureStore(store_dir, seed=args.seed)
+            if stage == "ar":
+                load_stage(drafter, work / "run-backbone")
+            stage_summary = train_stage(stage, target, drafter, store, work, args)
+            stage_summary["windows_available"] = store.done
+            record(stage, {k: v for k, v in stage_summary.items()})
+    if "export" in args.stages:
+        load_stage(drafter, work / "run-ar")
+        export(drafter, out, summary)
+    return 0
+
+
+def load_stage(drafter, run_dir: Path) -> None:
+    """The drafter weights of the last checkpoint of a stage."""
+    from .training.checkpoint import latest_checkpoint, load_checkpoint
+
+    checkpoint = latest_checkpoint(run_dir)
+    if checkpoint is None:
+        raise FileNotFoundError(f"No checkpoint in {run_dir}: run the stage before the next one.")
+    drafter.load_state_dict(load_checkpoint(checkpoint)["model"])
+
+
+def export(drafter, out: Path, summary: dict) -> None:
+    """The drafter in bfloat16 with the reference tree defaults, its training summary and README."""
+    from .reference import write_readme
+
+    config = drafter.config
+    config.tree_budget, config.tree_mode, config.tree_top_m, config.tree_top_k = "auto", "treeflash", 8, 8
+    for param in drafter.parameters():
+        param.requires_grad = True
+    drafter.to(torch.bfloat16).save_pretrained(out)
+    stages = {k: summary[k] for k in ("backbone", "ar") if k in summary}
+    (out / "training_summary.json").write_text(json.dumps({**stages, "data": summary.get("data", {}),
+                                                           "distill_minutes": summary.get("distill_minutes"),
+                                                           "features_minutes": summary.get("features_minutes")},
+                                                          indent=2))
+    write_readme(out, "TreeFlash drafter for SmolLM2-135M-Instruct (the `smollm2-135m` pair), trained by "
+                 "`treeflash-hf reference train-drafter`.", stages, sum(p.numel() for p in drafter.parameters()),
+                 torch.bfloat16)
+    drafter.to(torch.float32)
+    print(f"saved {out}")
+
+
+def add_parser(subparsers) -> None:
+    from .pairs import SMOLLM2_DRAFTER
+
+    parser = subparsers.add_parser("train-drafter", help="the recipe of the bundled SmolLM2 drafter (resumable)")
+    parser.add_argument("--work", default="reference_work/smollm2", help="data, features and checkpoints (ignored)")
+    parser.add_argument("--out", default=str(SMOLLM2_DRAFTER))
+    parser.add_argument("--stages", nargs="+", choices=STAGES, default=list(STAGES))
+    parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--distill-requests", type=int, default=2048)
+    parser.add_argument("--distill-batch", type=int, default=128)
+    parser.add_argument("--distill-tokens", type=int, default=192, help="new tokens per answer at most")
+    parser.add_argument("--distill-minutes", type=float, default=15)
+    parser.add_argument("--code-tokens", type=int, default=600_000)
+    parser.add_argument("--seq-len", type=int, default=512)
+    parser.add_argument("--heldout-windows", type=int, default=8)
+    parser.add_argument("--top-k", type=int, default=16, help="teacher log-probs kept per position")
+    parser.add_argument("--features-minutes", type=float, default=15)
+    parser.add_argument("--drafter-layers", type=int, default=1)
+    parser.add_argument("--context-layers", type=int, default=3)
+    parser.add_argument("--ar-intermediate", type=int, default=1024)
+    parser.add_argument("--batch-size", type=int, default=4)
+    parser.add_argument("--num-anchors", type=int, default=48)
+    parser.add_argument("--lr", type=float, default=6e-4)
+    parser.add_argument("--backbone-minutes", type=float, default=35)
+    parser.add_argument("--ar-minutes", type=float, default=20)
+    parser.set_defaults(func=run)

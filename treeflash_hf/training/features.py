@@ -1,0 +1,133 @@
+"""The frozen target's outputs cached once, for many epochs of drafter training.
+
+A training step of `drafter.py` runs the frozen target over its batch, and on a real target that forward is most
+of the step. Here the target runs once over every training window; per position the store keeps the drafter's
+context features (the outputs of `target_layer_ids`, concatenated: `[n*H]`, bfloat16) and the target's top-K
+next-token log-probs (`[K]` ids and float16 log-probs). Drafter training then reads batches from disk: one
+drafter forward and one head product per step, no target forward.
+
+Files in the store's folder (all preallocated, filled window by window, so building resumes where it stopped):
+`windows.npy` `[W, L + 1]` int32 token ids, `loss_mask.npy` `[W, L + 1]` uint8 (1 where a predicted token counts),
+`features.bin` `[W, L, F]` bfloat16 bits, `top_ids.bin` `[W, L, K]` int32, `top_log_probs.bin` `[W, L, K]` float16,
+`store.json` (shapes, layer ids, and `done`: windows whose outputs are written).
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from pathlib import Path
+
+import numpy as np
+import torch
+from tqdm.auto import tqdm
+
+from .drafter import Teacher
+
+STORE_FILE = "store.json"
+
+
+class FeatureStore:
+    """Cached target outputs over fixed windows (see the module docstring); `batch(step, B)` draws windows."""
+
+    def __init__(self, folder: str | Path, seed: int = 0):
+        self.folder = Path(folder)
+        meta_file = self.folder / STORE_FILE
+        if not meta_file.exists():
+            raise FileNotFoundError(f"{self.folder} is not a feature store (no {STORE_FILE}): build it first.")
+        self.meta = json.loads(meta_file.read_text())
+        windows, seq_len, width, top_k = (self.meta[k] for k in ("windows", "seq_len", "feature_width", "top_k"))
+        self.windows = np.load(self.folder / "windows.npy", mmap_mode="r")
+        self.loss_mask = np.load(self.folder / "loss_mask.npy", mmap_mode="r")
+        self.features = np.memmap(self.folder / "features.bin", dtype=np.uint16, mode="r",
+                                  shape=(windows, seq_len, width))
+        self.top_ids = np.memmap(self.folder / "top_ids.bin", dtype=np.int32, mode="r", shape=(windows, seq_len, top_k))
+        self.top_log_probs = np.memmap(self.folder / "top_log_probs.bin", dtype=np.float16, mode="r",
+                                       shape=(windows, seq_len, top_k))
+        self.seed = seed
+
+    @property
+    def done(self) -> int:
+        return int(self.meta["done"])
+
+    def rows(self, indices: np.ndarray) -> tuple[torch.LongTensor, torch.Tensor, torch.Tensor, Teacher]:
+        """Windows `indices`: ids `[B, L + 1]`, loss mask `[B, L + 1]`, context features `[B, L, F]` (bfloat16),
+        the teacher `[B, L, K]`."""
+        indices = np.sort(indices)
+        ids = torch.from_numpy(self.windows[indices].astype(np.int64))
+        mask = torch.from_numpy(self.loss_mask[indices].astype(np.float32))
+        features = torch.from_numpy(self.features[indices].astype(np.int16)).view(torch.bfloat16)
+        teacher = Teacher(torch.from_numpy(self.top_log_probs[indices].astype(np.float32)),
+                          torch.from_numpy(self.top_ids[indices].astype(np.int64)))
+        return ids, mask, features, teacher
+
+    def batch(self, step: int, batch_size: int) -> tuple[torch.LongTensor, torch.Tensor, torch.Tensor, Teacher]:
+        """`batch_size` windows drawn for `step` (the same windows for the same step and seed, so a resumed run
+        sees the data it would have seen), among the training windows done."""
+        heldout = int(self.meta["heldout"])
+        if self.done <= heldout:
+            raise ValueError(f"The feature store {self.folder} has no training windows done yet: fill it first.")
+        rng = np.random.default_rng([self.seed, step])
+        return self.rows(rng.integers(heldout, self.done, size=batch_size))
+
+    def heldout_batches(self, batch_size: int) -> list:
+        """The held-out windows (the store's first `heldout`), in batches."""
+        heldout = min(int(self.meta["heldout"]), self.done)
+        return [self.rows(np.arange(start, min(start + batch_size, heldout))) for start in range(0, heldout, batch_size)]
+
+
+def create_store(folder: str | Path, windows: np.ndarray, loss_mask: np.ndarray, layer_ids: list[int],
+                 hidden_size: int, top_k: int, heldout: int) -> None:
+    """Lay out an empty store for `windows [W, L + 1]` (nothing is done yet); the first `heldout` windows are the
+    held-out set (filled first)."""
+    folder = Path(folder)
+    folder.mkdir(parents=True, exist_ok=True)
+    count, seq_len = windows.shape[0], windows.shape[1] - 1
+    np.save(folder / "windows.npy", windows.astype(np.int32))
+    np.save(folder / "loss_mask.npy", loss_mask.astype(np.uint8))
+    width = len(layer_ids) * hidden_size
+    for name, dtype, last in (("features.bin", np.uint16, width), ("top_ids.bin", np.int32, top_k),
+                              ("top_log_probs.bin", np.float16, top_k)):
+        np.memmap(folder / name, dtype=dtype, mode="w+", shape=(count, seq_len, last)).flush()
+    meta = {"windows": count, "seq_len": seq_len, "feature_width": width, "top_k": top_k, "layer_ids": layer_ids,
+            "heldout": heldout, "done": 0}
+    (folder / STORE_FILE).write_text(json.dumps(meta, indent=2))
+
+
+@torch.no_grad()
+def fill_store(target, folder: str | Path, batch_size: int = 4, minutes: float | None = None) -> int:
+    """Run the frozen `target` over the store's windows not done yet, `batch_size` at a time, under bfloat16
+    autocast on a CPU (its AMX units; bfloat16 weights are slower there), writing each batch's outputs and then the
+    `done` count, so an interrupted build resumes. Stops after `minutes`. Returns the windows done."""
+    folder = Path(folder)
+    meta = json.loads((folder / STORE_FILE).read_text())
+    count, seq_len, width, top_k = meta["windows"], meta["seq_len"], meta["feature_width"], meta["top_k"]
+    windows = np.load(folder / "windows.npy", mmap_mode="r")
+    outputs = {name: np.memmap(folder / name, dtype=dtype, mode="r+", shape=(count, seq_len, last))
+               for name, dtype, last in (("features.bin", np.uint16, width), ("top_ids.bin", np.int32, top_k),
+                                         ("top_log_probs.bin", np.float16, top_k))}
+    layer_ids = meta["layer_ids"]
+    device = next(target.parameters()).device
+    started = time.time()
+    bar = tqdm(total=count, initial=meta["done"], desc="target features")
+    while meta["done"] < count and (minutes is None or time.time() - started < minutes * 60):
+        start = meta["done"]
+        stop = min(count, start + batch_size)
+        tokens = torch.from_numpy(windows[start:stop, :-1].astype(np.int64)).to(device)
+        with torch.autocast(device.type, dtype=torch.bfloat16):
+            out = target(tokens, output_hidden_states=[i + 1 for i in layer_ids])
+        features = torch.cat([out.hidden_states[i + 1] for i in layer_ids], dim=-1).to(torch.bfloat16)
+        top = torch.log_softmax(out.logits.float(), dim=-1).topk(top_k, dim=-1)
+        outputs["features.bin"][start:stop] = features.view(torch.int16).cpu().numpy().view(np.uint16)
+        outputs["top_ids.bin"][start:stop] = top.indices.int().cpu().numpy()
+        outputs["top_log_probs.bin"][start:stop] = top.values.half().cpu().numpy()
+        for array in outputs.values():
+            array.flush()
+        meta["done"] = stop
+        (folder / STORE_FILE).write_text(json.dumps(meta, indent=2))
+        bar.update(stop - start)
+    bar.close()
+    return meta["done"]
+
+
+__all__ = ["FeatureStore", "create_store", "fill_store"]
