@@ -7,7 +7,8 @@ Linear through its weight, a quantized one through one exact dense copy or, wher
 it. Backends whose kernels make a token's logits depend on the other tokens of the forward (bitsandbytes' outlier
 handling, torchao's dynamic int8 activations) are detected at the first call and warned about, once; dense and
 weight-only targets never warn. Sampling from a quantized target keeps its distribution. Each library is optional:
-its tests skip where it is not installed (`pip install -e ".[test,quant]"` has them all).
+its tests skip where it is not installed (`pip install -e ".[test,quant]"` has them all). Targets are quantized by
+`treeflash_hf.quantize`, what `treeflash-hf bench --target-quant` runs.
 """
 
 from __future__ import annotations
@@ -18,10 +19,10 @@ import random
 
 import pytest
 import torch
-from transformers import AutoModelForCausalLM
 
 from treeflash_hf import TreeOptions, forget_learned_state, treeflash_generate
 from treeflash_hf.draft import TargetHead, TreeFlashCandidateGenerator
+from treeflash_hf.quantize import BACKENDS, quantize_target, reload_quantized
 from treeflash_hf.testing import matching_drafter, random_target
 from treeflash_hf.validation import TreeFlashInputError
 
@@ -38,63 +39,32 @@ def llama(seed: int = 0):
 
 
 @pytest.fixture(scope="module")
-def saved_llama(tmp_path_factory):
-    """A random Llama (untied lm_head) saved, so that each backend quantizes it on load like a checkpoint."""
-    target = llama()
-    path = tmp_path_factory.mktemp("llama")
-    target.save_pretrained(path)
-    return path, target
+def base_llama():
+    """A random Llama (untied lm_head), float32: what each test quantizes (a copy of it)."""
+    return llama()
 
 
 @pytest.fixture(scope="module")
-def drafter(saved_llama):
-    return randomise_ar_layer(matching_drafter(saved_llama[1], seed=1))
+def drafter(base_llama):
+    return randomise_ar_layer(matching_drafter(base_llama, seed=1))
 
 
-def load(path, quantization_config):
-    return AutoModelForCausalLM.from_pretrained(path, quantization_config=quantization_config,
-                                                dtype=torch.float32).eval()
+# torchao configs that `--target-quant` does not offer, tested too: int4 in groups of 64, dynamic int8 activations
+TORCHAO_EXTRA = {"torchao-int4-g64": lambda q: q.IntxWeightOnlyConfig(torch.int4, q.PerGroup(64)),
+                 "torchao-dyn8": lambda q: q.Int8DynamicActivationInt8WeightConfig()}
 
 
-def quantized(backend: str, path, base):
-    """The saved Llama quantized by `backend`; a name ending in "+head" quantizes lm_head as well."""
+def quantized(backend: str, base):
+    """A copy of `base` quantized by `backend`, a `quantize_target` spec or a TORCHAO_EXTRA name; a name ending in
+    "+head" quantizes lm_head as well. Skipped where the backend's library is not installed."""
     name, _, head = backend.partition("+")
-    skip = [] if head else None  # []: every Linear, lm_head included; None: transformers' default (head kept)
-    if name.startswith("torchao"):
-        quantization = pytest.importorskip("torchao.quantization")
+    if name in TORCHAO_EXTRA:
         from transformers import TorchAoConfig
 
-        config = {
-            "torchao-int8": lambda: quantization.Int8WeightOnlyConfig(),
-            "torchao-int4-g32": lambda: quantization.IntxWeightOnlyConfig(torch.int4, quantization.PerGroup(32)),
-            "torchao-int4-g64": lambda: quantization.IntxWeightOnlyConfig(torch.int4, quantization.PerGroup(64)),
-            "torchao-dyn8": lambda: quantization.Int8DynamicActivationInt8WeightConfig(),
-        }[name]()
-        return load(path, TorchAoConfig(config, modules_to_not_convert=skip))
-    if name.startswith("quanto"):
-        pytest.importorskip("optimum.quanto")
-        from transformers import QuantoConfig
-
-        return load(path, QuantoConfig(weights=name.removeprefix("quanto-"), modules_to_not_convert=skip))
-    if name == "hqq-4bit":  # transformers 5.24's HqqConfig is "not available yet": quantize the loaded model
-        pytest.importorskip("hqq")
-        from hqq.core.quantize import BaseQuantizeConfig, HQQLinear
-        from hqq.models.hf.base import AutoHQQHFModel
-
-        target, config = copy.deepcopy(base), BaseQuantizeConfig(nbits=4, group_size=64)
-        AutoHQQHFModel.quantize_model(target, quant_config=config, compute_dtype=torch.float32, device="cpu")
-        if head:  # quantize_model leaves lm_head a Linear
-            target.lm_head = HQQLinear(target.lm_head, config, compute_dtype=torch.float32, device="cpu")
-        return target.eval()
-    if name.startswith("bnb"):
-        pytest.importorskip("bitsandbytes")
-        from transformers import BitsAndBytesConfig
-
-        if name == "bnb-8bit":
-            return load(path, BitsAndBytesConfig(load_in_8bit=True, llm_int8_skip_modules=skip))
-        return load(path, BitsAndBytesConfig(load_in_4bit=True, bnb_4bit_quant_type="nf4",
-                                             bnb_4bit_compute_dtype=torch.float32, llm_int8_skip_modules=skip))
-    raise ValueError(backend)
+        config = TORCHAO_EXTRA[name](pytest.importorskip("torchao.quantization"))
+        return reload_quantized(base, TorchAoConfig(config, modules_to_not_convert=[] if head else None))
+    pytest.importorskip(BACKENDS[name].module)
+    return quantize_target(copy.deepcopy(base), name, quantize_head=bool(head))
 
 
 def prompts(seed: int, count: int = 2) -> list[torch.LongTensor]:
@@ -120,23 +90,23 @@ def assert_lossless(target, drafter, max_new: int = 20) -> None:
         assert max(out.accepted_lengths) >= 3  # trees really were accepted deep into the quantized target
 
 
-WEIGHT_ONLY = ["torchao-int8", "torchao-int8+head", "torchao-int4-g32+head", "torchao-int4-g64", "quanto-int8+head",
+WEIGHT_ONLY = ["torchao-int8", "torchao-int8+head", "torchao-int4+head", "torchao-int4-g64", "quanto-int8+head",
                "quanto-int4", "quanto-int4+head", "hqq-4bit", "hqq-4bit+head"]
 
 
 @pytest.mark.parametrize("backend", WEIGHT_ONLY)
-def test_weight_only_backends_are_lossless(saved_llama, drafter, backend, caplog):
+def test_weight_only_backends_are_lossless(base_llama, drafter, backend, caplog):
     """Their quantized heads dequantize exactly: the drafter side gets one dense copy (its CPU shortlist reads rows)."""
-    target = quantized(backend, *saved_llama)
+    target = quantized(backend, base_llama)
     assert TreeFlashCandidateGenerator(drafter, target, TreeOptions()).head.weight is not None
     with caplog.at_level(logging.WARNING, logger="treeflash_hf"):
         assert_lossless(target, drafter)
     assert WARNING_TEXT not in caplog.text
 
 
-def test_called_head_and_its_shortlist_are_lossless(saved_llama, drafter, monkeypatch):
+def test_called_head_and_its_shortlist_are_lossless(base_llama, drafter, monkeypatch):
     """A head with no exact dense copy is called: full logits, the CPU shortlist taken from them."""
-    target = quantized("torchao-int8+head", *saved_llama)
+    target = quantized("torchao-int8+head", base_llama)
     dense = TargetHead(target.lm_head, 128, torch.device("cpu"), torch.float32)
     monkeypatch.setattr("treeflash_hf.draft.dense_weight_candidate", lambda module: None)
     called = TargetHead(target.lm_head, 128, torch.device("cpu"), torch.float32)
@@ -161,11 +131,11 @@ def test_a_head_that_cannot_be_called_is_an_input_error(drafter):
 
 
 @pytest.mark.parametrize("backend", ["bnb-8bit+head", "bnb-nf4+head"])
-def test_bitsandbytes_runs_with_a_quantized_head(saved_llama, drafter, backend, caplog):
+def test_bitsandbytes_runs_with_a_quantized_head(base_llama, drafter, backend, caplog):
     """bitsandbytes heads (packed Int8Params / Params4bit) have no exact dense copy: the head is called. On real
     models their kernels couple the tokens of a forward (see the next test); on this one, whose activations have
     no outliers, no coupling shows, and then TreeFlash must be identical and silent."""
-    target = quantized(backend, *saved_llama)
+    target = quantized(backend, base_llama)
     assert TreeFlashCandidateGenerator(drafter, target, TreeOptions()).head.weight is None
     with caplog.at_level(logging.WARNING, logger="treeflash_hf"):
         assert_lossless(target, drafter)
@@ -174,7 +144,7 @@ def test_bitsandbytes_runs_with_a_quantized_head(saved_llama, drafter, backend, 
 
 @pytest.mark.parametrize("backend,name", [("bnb-8bit", "bitsandbytes llm_int8"),
                                           ("torchao-dyn8+head", "torchao Int8DynamicActivationInt8WeightConfig")])
-def test_forward_shape_dependent_backend_warns_once(tmp_path, drafter, caplog, backend, name):
+def test_forward_shape_dependent_backend_warns_once(drafter, caplog, backend, name):
     """LLM.int8 computes the input columns that hold an outlier (|x| > 6) in any token of the forward apart, and
     torchao's dynamic int8 activations change a token's logits with the shape of the forward too: give the Llama
     outlier features and it shows."""
@@ -183,8 +153,7 @@ def test_forward_shape_dependent_backend_warns_once(tmp_path, drafter, caplog, b
         for layer in target.model.layers:
             layer.input_layernorm.weight[:3] = 30.0
             layer.post_attention_layernorm.weight[:3] = 30.0
-    target.save_pretrained(tmp_path)
-    target = quantized(backend, tmp_path, None)
+    target = quantized(backend, target)
     prompt = prompts(seed=5, count=1)[0]
     with caplog.at_level(logging.WARNING, logger="treeflash_hf"):
         for _ in range(2):

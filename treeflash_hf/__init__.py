@@ -4,7 +4,19 @@
 `target.generate(**inputs, assistant_model=drafter)` to lossless TreeFlash decoding.
 """
 
-from transformers import AutoConfig, AutoModel
+import logging
+
+import torch
+
+# torchao (the `quant` extra), which transformers imports with its quantizers, logs a warning for each CUDA kernel
+# library it cannot load (nothing to say on a machine without CUDA) and, through torch, one for each Enum it registers
+# the pre-2.13 way: noise that would open every command's output
+if not torch.cuda.is_available():
+    logging.getLogger("torchao").addFilter(lambda record: not record.getMessage().startswith("Failed to load"))
+logging.getLogger("torch.utils._pytree").addFilter(
+    lambda record: "is an Enum subclass and is now natively supported" not in record.getMessage())
+
+from transformers import AutoConfig, AutoModel  # noqa: E402
 
 from .modeling.configuration_treeflash_drafter import TreeFlashDrafterConfig
 from .modeling.modeling_treeflash_drafter import TreeFlashDrafterModel

@@ -47,3 +47,12 @@ def add_pair_argument(parser: argparse.ArgumentParser, help_suffix: str = "") ->
     parser.add_argument("--pair", choices=PAIRS, default=DEFAULT_PAIR,
                         help=f"the reference pair (default {DEFAULT_PAIR}; tiny: the small pair for fast tests)"
                         + help_suffix)
+
+
+def add_target_quant_argument(parser: argparse.ArgumentParser) -> None:
+    """`--target-quant SPEC`: quantize the target before running (see `treeflash_hf/quantize.py`)."""
+    from .quantize import QUANT_SPECS
+
+    parser.add_argument("--target-quant", choices=QUANT_SPECS, default="none", metavar="SPEC",
+                        help=f"quantize the target, float32 compute: {', '.join(QUANT_SPECS)} (default none; needs "
+                             "pip install treeflash-hf[quant])")

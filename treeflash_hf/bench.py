@@ -22,7 +22,7 @@ from pathlib import Path
 import torch
 from transformers.generation import GenerationMixin
 
-from .arguments import add_pair_argument, positive_int
+from .arguments import add_pair_argument, add_target_quant_argument, positive_int
 from .prompt_sets import PromptFileError, load_prompts
 
 TREE_MODES = ("chain", "marginal_tree", "treeflash")
@@ -99,6 +99,24 @@ def first_divergence_gap(target, prompt_ids: torch.LongTensor, expected: list[in
             scores = logits_processor(ids, scores)
     top2 = scores[0].topk(2).values
     return float(top2[0] - top2[1]), tie_tolerance(target.dtype, float(top2[0]))
+
+
+def shape_noise(target, singles: list[dict], references: list[list[int]], common: dict, eos_ids: set[int],
+                split: int = 16) -> Identity:
+    """How plain greedy decoding itself reacts to another forward shape: each prompt's reference continuation is
+    decoded again after one prefill of the prompt plus its first `split` tokens (instead of one token per forward
+    there), and compared with the rest of the reference. In float32 nothing moves; in bfloat16 the rows that leave
+    the reference, with their top-2 gaps, are the noise floor a speculative method's divergences are judged against."""
+    identity = Identity()
+    with torch.no_grad():
+        for single, expected in zip(singles, references):
+            if len(expected) <= split + 1:
+                continue
+            prompt = torch.cat([single["input_ids"][0], single["input_ids"].new_tensor(expected[:split])])
+            out = target.generate(prompt[None], **{**common, "max_new_tokens": len(expected) - split})
+            got = new_tokens_per_row(out, prompt.shape[0], eos_ids)[0]
+            compare(identity, target, prompt, expected[split:], got)
+    return identity
 
 
 @contextmanager
@@ -284,11 +302,16 @@ def run_bench(target, drafter, draft_lm, tokenizer, prompts: list[str], methods:
                 bar.update(1)
     bar.close()
     reference = results.get("autoregressive")
+    noise = shape_noise(target, singles, references, common, eos_ids) if greedy and batch_size == 1 else None
     table = {}
     for method in methods:
         table[method.label] = {"method": method.name, "budget": method.budget, **summarize(
             results[method.label], reference, identity[method.label] if greedy else None)}
+    shape = None if noise is None else {"identical_rows": noise.identical, "near_tie_rows": noise.near_ties,
+                                        "divergent_rows": noise.other, "tie_gaps": noise.tie_gaps,
+                                        "divergent_gaps": noise.other_gaps}
     return {"max_new_tokens": max_new_tokens, "temperature": temperature, "repeats": repeats,
+            "plain_under_another_forward_shape": shape,
             "batch_size": batch_size, "dtype": str(target.dtype).removeprefix("torch."), "device": str(target.device),
             "threads": torch.get_num_threads(), "results": table}
 
@@ -314,9 +337,15 @@ def print_table(report: dict) -> None:
         same = row.get("identical_to_autoregressive")
         print(f"{row['method']:24s} {str(row['budget'] or '-'):>6s} {row['tau']:6.2f} {row['tokens_per_s']:8.1f} "
               f"{spread:>15s} {row.get('speedup', float('nan')):7.2f}x {'' if same is None else same}")
-    print(f"(batch size {report.get('batch_size', 1)}, {report.get('dtype', '')}; identical: every row equals the "
+    print(f"(batch size {report.get('batch_size', 1)}, {report.get('dtype', '')}, target quantization "
+          f"{report.get('target_quant', 'none')}; identical: every row equals the "
           "target's own batch-1 greedy output; a near-tie is a first difference where the target's top-2 logits are "
           "within its dtype's rounding)")
+    if noise := report.get("plain_under_another_forward_shape"):
+        gaps = ", ".join(f"{g:.3g}" for g in noise["tie_gaps"] + [g for g, _ in noise["divergent_gaps"]]) or "-"
+        print(f"plain decoding under another forward shape (prompt + first 16 tokens as one prefill): "
+              f"{noise['identical_rows']} rows identical, {noise['near_tie_rows']} near-ties, "
+              f"{noise['divergent_rows']} other divergences (top-2 gaps at first divergence: {gaps})")
 
 
 def plot(report: dict, out_dir: Path) -> list[Path]:
@@ -376,15 +405,19 @@ def run(args: argparse.Namespace) -> int:
     import treeflash_hf  # noqa: F401
 
     from . import reference
+    from .quantize import describe, quantize_target
 
     torch.set_num_threads(args.threads)
     dtype = args.dtype if args.dtype == "auto" else getattr(torch, args.dtype)
+    if dtype == "auto" and args.target_quant != "none":
+        dtype = torch.float32  # the quantized kernels compute in float32 here
     if args.target or args.drafter:
         tokenizer = AutoTokenizer.from_pretrained(args.tokenizer or args.target)
         target = AutoModelForCausalLM.from_pretrained(args.target, dtype=dtype).eval()
         drafter = AutoModel.from_pretrained(args.drafter, dtype=target.dtype).eval()
     else:
         target, drafter, tokenizer = reference.load(args.pair, dtype=dtype)
+    target = quantize_target(target, args.target_quant)
     try:
         prompts = load_prompts(args.prompts, args.num_prompts, tokenizer)
     except PromptFileError as err:
@@ -402,6 +435,7 @@ def run(args: argparse.Namespace) -> int:
     report = run_bench(target, drafter, draft_lm, tokenizer, prompts, methods, args.max_new_tokens,
                        args.temperature, args.repeats, batch_size=args.batch_size)
     report["prompts"] = args.prompts
+    report["target_quant"], report["target_quant_backend"] = args.target_quant, describe(args.target_quant)
     print_table(report)
     write_report(report, args.json, args.plot, plot)
     return 0
@@ -440,7 +474,9 @@ def add_parser(subparsers) -> None:
                         help="prompts per generate() call, left-padded; autoregressive is transformers' batched "
                              "plain generate() on the same batches")
     parser.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"],
-                        help="run dtype (auto: the weights' own, bfloat16 for the bundled pair)")
+                        help="run dtype (auto: the weights' own, bfloat16 for the bundled pair; float32 with "
+                             "--target-quant)")
+    add_target_quant_argument(parser)
     parser.add_argument("--json")
     parser.add_argument("--plot")
     parser.set_defaults(func=run)

@@ -20,6 +20,7 @@ import torch
 from transformers import DynamicCache
 
 from .tree import DraftTree
+from .verify import NOT_QUANTIZED, quantization_backend
 
 DEFAULT_SIZES = (1, 2, 4, 8, 16, 24, 32, 48, 64, 96, 128, 192, 256)
 
@@ -34,9 +35,14 @@ def _synchronize(device: torch.device) -> None:
 
 
 def model_key(target) -> str:
+    """The cost curve's cache key: model, dtype, device, threads, and what quantizes the target (a backend applied
+    without transformers, e.g. `torchao.quantize_` or HQQ, leaves its config as the dense model's)."""
     config = json.dumps(target.config.to_dict(), sort_keys=True, default=str)
     parts = [config, str(target.dtype), str(target.device), str(torch.get_num_threads()), torch.__version__,
              str(DEFAULT_SIZES)]
+    backend = quantization_backend(target)
+    if backend != NOT_QUANTIZED:  # only then, so that dense targets keep their keys and cached curves
+        parts.append(backend)
     return hashlib.sha1("|".join(parts).encode()).hexdigest()[:16]
 
 

@@ -14,6 +14,7 @@ from transformers import DynamicCache
 from .tree import DraftTree, TreeBatch, root_tree
 
 logger = logging.getLogger(__name__)
+NOT_QUANTIZED = "none found"  # what `quantization_backend` says of a dense target
 
 
 def tree_attention_mask(trees: TreeBatch, key_valid: torch.BoolTensor | None, past_len: int,
@@ -143,4 +144,4 @@ def quantization_backend(target) -> str:
     found |= {type(module.weight) for module in target.modules()
               if isinstance(getattr(module, "weight", None), torch.Tensor) and type(module.weight) not in plain}
     names = sorted(f"{cls.__module__.split('.')[0]}.{cls.__name__}" for cls in found)
-    return ", ".join(names) if names else "none found"
+    return ", ".join(names) if names else NOT_QUANTIZED
