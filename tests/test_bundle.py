@@ -13,14 +13,8 @@ from transformers import AutoModelForCausalLM, AutoTokenizer, TextIteratorStream
 from treeflash_hf import reference
 from treeflash_hf.bundle import BundleError, write_bundle
 from treeflash_hf.bundle_generate import BUNDLE_FILE, DRAFTER_ATTRIBUTE
-from treeflash_hf.hub import (
-    ENGINE_MODULES,
-    PACKAGE_DIR,
-    PublishError,
-    check_publishable,
-    missing_relative_imports,
-    prepare_bundle_repo,
-)
+from treeflash_hf.folders import engine_sources, missing_relative_imports
+from treeflash_hf.hub import PublishError, check_publishable, prepare_bundle_repo
 from treeflash_hf.testing import matching_drafter, random_target
 
 from .test_hub import run_fresh
@@ -49,8 +43,7 @@ def test_bundled_target_is_a_treeflash_folder_with_the_package_engine():
     """The bundled target's custom_generate/ must be this package's engine, byte for byte."""
     assert json.loads((FOLDER / BUNDLE_FILE).read_text()) == {"drafter": "../drafter"}
     copies = FOLDER / "custom_generate"
-    sources = {f"{module}.py": PACKAGE_DIR / f"{module}.py" for module in ENGINE_MODULES}
-    sources["generate.py"] = PACKAGE_DIR / "bundle_generate.py"
+    sources = engine_sources("bundle_generate.py")
     stale = sorted({p.name for p in copies.glob("*.py")} - set(sources))
     assert not stale, f"custom_generate/ has files the engine no longer has ({stale}); refresh it: {REFRESH}"
     missing = missing_relative_imports(copies)

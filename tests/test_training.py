@@ -199,6 +199,33 @@ def test_train_command_end_to_end(tmp_path):
     assert main(args + ["--resume"]) == 0  # nothing left to do: resumes at the last step and saves again
 
 
+def test_train_recalibrates_against_a_quantized_target(tmp_path, monkeypatch):
+    """`train --stage ar --target-quant SPEC` trains against the quantized target: its forward is the one the loss
+    runs (not the dense weights on disk)."""
+    import numpy as np
+
+    pytest.importorskip("torchao")
+    from treeflash_hf import quantize
+    from treeflash_hf.cli import main
+
+    random_target("llama", vocab_size=VOCAB, hidden_size=64, num_layers=2, num_heads=2,
+                  num_kv_heads=1).save_pretrained(tmp_path / "target")
+    np.save(tmp_path / "tokens.npy", np.array([3, 17, 5, 40, 22, 9, 61, 13] * 100))
+    quantized = []
+    original = quantize.quantize_target
+
+    def recording(target, spec, **kwargs):
+        quantized.append(spec)
+        return original(target, spec, **kwargs)
+
+    monkeypatch.setattr(quantize, "quantize_target", recording)
+    assert main(["train", "--stage", "ar", "--target-quant", "torchao-int8", "--target", str(tmp_path / "target"),
+                 "--data", str(tmp_path / "tokens.npy"), "--out", str(tmp_path / "run"), "--steps", "2",
+                 "--batch-size", "2", "--seq-len", "24", "--num-anchors", "2", "--drafter-layers", "1",
+                 "--block-size", "4", "--mask-token-id", str(VOCAB - 1), "--device", "cpu"]) == 0
+    assert quantized == ["torchao-int8"] and (tmp_path / "run" / "final" / "model.safetensors").exists()
+
+
 def test_train_command_seed_fixes_the_whole_run(tmp_path):
     """Two runs of the same `treeflash-hf train` command (a new drafter each) end with equal weights; another
     `--seed` gives other weights."""

@@ -24,7 +24,7 @@ from pathlib import Path
 import torch
 
 from .bundle_generate import BUNDLE_FILE, drafter_reference
-from .hub import weight_shapes, write_custom_generate
+from .folders import weight_shapes, write_custom_generate
 
 # what `bundle` writes itself, or leaves to `push` (the model card); never copied from the target
 OWN_ENTRIES = ("README.md", "custom_generate", BUNDLE_FILE)
@@ -123,7 +123,7 @@ def check_tokenizer(folder: Path) -> None:
 
 def write_bundle_code(out: Path, drafter_ref: str) -> None:
     """Write `custom_generate/` (fresh copies of the engine) and `treeflash.json` (the drafter reference)."""
-    write_custom_generate(out, "bundle_generate.py")
+    write_custom_generate(out, "bundle_generate.py", BundleError)
     (out / BUNDLE_FILE).write_text(json.dumps({"drafter": drafter_ref}, indent=2) + "\n")
 
 

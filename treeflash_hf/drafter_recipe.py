@@ -254,8 +254,10 @@ def export(drafter, out: Path, summary: dict) -> None:
     """The drafter in bfloat16 with the reference tree defaults, its training summary and README."""
     from .reference import write_readme
 
-    config = drafter.config
-    config.tree_budget, config.tree_mode, config.tree_top_m, config.tree_top_k = "auto", "treeflash", 8, 8
+    defaults = {"tree_budget": "auto", "tree_mode": "treeflash", "tree_top_m": 8, "tree_top_k": 8}
+    for name, value in defaults.items():
+        setattr(drafter.config, name, value)
+        setattr(drafter.generation_config, name, value)
     for param in drafter.parameters():
         param.requires_grad = True
     drafter.to(torch.bfloat16).save_pretrained(out)
@@ -266,7 +268,7 @@ def export(drafter, out: Path, summary: dict) -> None:
                                                           indent=2))
     write_readme(out, "TreeFlash drafter for SmolLM2-135M-Instruct (the `smollm2-135m` pair), trained by "
                  "`treeflash-hf reference train-drafter`.", stages, sum(p.numel() for p in drafter.parameters()),
-                 torch.bfloat16)
+                 torch.bfloat16, recipe="reference train-drafter")
     drafter.to(torch.float32)
     print(f"saved {out}")
 

@@ -18,10 +18,9 @@ from pathlib import Path
 
 import torch
 
-PACKAGE_DIR = Path(__file__).resolve().parent
+from .folders import ENGINE_MODULES, PACKAGE_DIR, missing_relative_imports, weight_shapes  # noqa: F401
+from .folders import write_custom_generate
 CARD_TEMPLATES = {"drafter": "treeflash_drafter.md", "bundle": "treeflash_target.md"}
-ENGINE_MODULES = ("accept", "budget", "cache", "continuous_batching", "draft", "generation", "learned", "lookup",
-                  "options", "sync", "tree", "validation", "verify")
 REQUIRED_CONFIG_FIELDS = ("model_type", "hidden_size", "vocab_size", "block_size", "mask_token_id",
                           "target_layer_ids", "num_target_layers", "auto_map")
 
@@ -36,32 +35,6 @@ def card_template_path(kind: str = "drafter") -> Path:
     if source.exists():
         return source
     return PACKAGE_DIR / "hub_cards" / CARD_TEMPLATES[kind]  # installed (non-editable) copy
-
-
-def write_custom_generate(folder: Path, entry: str) -> Path:
-    """Write `folder/custom_generate/`: this package's engine modules copied file for file, the package module
-    `entry` as `generate.py`, and the requirements. What was there is replaced, so a dropped module does not linger."""
-    generate_dir = Path(folder) / "custom_generate"
-    if generate_dir.exists():
-        shutil.rmtree(generate_dir)
-    generate_dir.mkdir(parents=True)
-    for module in ENGINE_MODULES:
-        shutil.copyfile(PACKAGE_DIR / f"{module}.py", generate_dir / f"{module}.py")
-    shutil.copyfile(PACKAGE_DIR / entry, generate_dir / "generate.py")
-    (generate_dir / "requirements.txt").write_text("torch\ntransformers>=5.24,<5.25\n")
-    missing = missing_relative_imports(generate_dir)
-    if missing:  # transformers would then skip custom_generate/ without a word, leaving the plain model
-        raise PublishError(f"The engine imports modules that custom_generate/ lacks: {missing}. Add them to "
-                           "ENGINE_MODULES in treeflash_hf/hub.py.")
-    return generate_dir
-
-
-def missing_relative_imports(folder: Path) -> list[str]:
-    """Modules that the `.py` files of `folder` import relatively (`from .x import y`) but that `folder` lacks."""
-    from transformers.dynamic_module_utils import get_relative_imports
-
-    return sorted({name for path in Path(folder).glob("*.py") for name in get_relative_imports(path)
-                   if not (Path(folder) / f"{name}.py").exists()})
 
 
 def eval_results(bench: dict, base_model: str) -> tuple[list, str]:
@@ -134,7 +107,7 @@ def prepare_repo(drafter_dir: str | Path, out_dir: str | Path, repo_id: str, bas
     out_dir.mkdir(parents=True, exist_ok=True)
     drafter.save_pretrained(out_dir, max_shard_size=max_shard_size)  # config + auto_map + remote code + weights
     drafter.generation_config.save_pretrained(out_dir)
-    write_custom_generate(out_dir, "hub_generate.py")
+    write_custom_generate(out_dir, "hub_generate.py", PublishError)
     if (drafter_dir / "training_summary.json").exists():
         shutil.copyfile(drafter_dir / "training_summary.json", out_dir / "training_summary.json")
     base = base_model or drafter.config.to_dict().get("base_model") or "unknown"
@@ -147,24 +120,7 @@ def check_model_folder(folder: Path) -> None:
     """A folder with a config and readable weights (a truncated or corrupt weights file is named)."""
     if not (folder / "config.json").is_file():
         raise PublishError(f"{folder} is not a model folder (no config.json): pass the folder that holds the model.")
-    weight_shapes(folder)
-
-
-def weight_shapes(folder: Path, error: type[Exception] = PublishError) -> dict[str, tuple[int, ...]]:
-    """The shape of every tensor in the folder's `*.safetensors` files, read from their headers; a truncated or
-    corrupt file raises `error` naming it."""
-    from safetensors import safe_open
-
-    shapes = {}
-    for path in sorted(Path(folder).glob("*.safetensors")):
-        try:
-            with safe_open(str(path), framework="pt") as handle:
-                for key in handle.keys():
-                    shapes[key] = tuple(handle.get_slice(key).get_shape())
-        except Exception as err:  # safetensors raises its own SafetensorError
-            raise error(f"{path} is not a readable safetensors file ({err}): it is truncated or corrupt; "
-                        "re-save or re-download it.") from err
-    return shapes
+    weight_shapes(folder, PublishError)
 
 
 def check_publishable(folder: Path) -> None:
@@ -185,7 +141,7 @@ def check_publishable(folder: Path) -> None:
     absent = [f for f in REQUIRED_CONFIG_FIELDS if f not in config]
     if absent:
         raise PublishError(f"{folder}/config.json lacks {absent}: save the drafter with treeflash-hf's classes.")
-    found = weight_shapes(folder)
+    found = weight_shapes(folder, PublishError)
     if not found:
         raise PublishError(f"{folder} has no safetensors weights.")
     from transformers import AutoConfig
@@ -254,7 +210,7 @@ def prepare_bundle_repo(folder: str | Path, out_dir: str | Path, repo_id: str, b
 
     folder, out_dir = Path(folder), Path(out_dir)
     reference = hub_drafter_ref(folder, drafter_ref)
-    weight_shapes(folder)
+    weight_shapes(folder, PublishError)
     copy_model_files(folder, out_dir)
     write_bundle_code(out_dir, reference)
     render_bundle_card(out_dir, repo_id, base_model, reference, bench).save(out_dir / "README.md")
@@ -279,7 +235,7 @@ def check_bundle_publishable(folder: Path) -> None:
         check_tokenizer(folder)
     except BundleError as err:
         raise PublishError(str(err)) from err
-    found = weight_shapes(folder)
+    found = weight_shapes(folder, PublishError)
     with torch.device("meta"):
         model = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(folder), dtype=torch.float32)
     expected = {k: tuple(v.shape) for k, v in model.state_dict().items()}

@@ -109,12 +109,11 @@ def ensure_bundle(folder: Path, drafter_dir: Path) -> None:
     refreshed when this package's engine or drafter path changed."""
     from .bundle import write_bundle_code
     from .bundle_generate import BUNDLE_FILE
-    from .hub import ENGINE_MODULES
+    from .folders import engine_sources
 
     record = folder / BUNDLE_FILE
     wanted = str(drafter_dir)
-    sources = {f"{module}.py": PACKAGE_DIR / f"{module}.py" for module in ENGINE_MODULES}
-    sources["generate.py"] = PACKAGE_DIR / "bundle_generate.py"
+    sources = engine_sources("bundle_generate.py")
     copies = folder / "custom_generate"
     fresh = record.is_file() and json.loads(record.read_text()).get("drafter") == wanted and all(
         (copies / name).is_file() and (copies / name).read_bytes() == source.read_bytes()

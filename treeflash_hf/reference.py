@@ -199,12 +199,13 @@ def earlier_training(folder: Path, stage: str) -> dict:
     return record
 
 
-def write_readme(out_dir: Path, description: str, summary: dict, params: int, dtype: torch.dtype) -> None:
+def write_readme(out_dir: Path, description: str, summary: dict, params: int, dtype: torch.dtype,
+                 recipe: str = "reference build") -> None:
     stages = summary if all(isinstance(v, dict) and "curve" in v for v in summary.values()) else {"": summary}
     dtype_name = str(dtype).removeprefix("torch.")
     lines = [f"# {out_dir.name}", "", description, "", f"Parameters: {params / 1e6:.2f}M. Weights are stored in "
              f"{dtype_name}; `treeflash_hf.reference.load()` loads them in {dtype_name} (pass `dtype=` for "
-             "another).", "", "Trained by `treeflash-hf reference build` (see the package README); figures from "
+             "another).", "", f"Trained by `treeflash-hf {recipe}` (see the package README); figures from "
              "`training_summary.json`:", ""]
     for stage, info in stages.items():
         evals = [row for row in info["curve"] if any(k.startswith("eval_") for k in row)]

@@ -9,6 +9,8 @@ from pathlib import Path
 
 import torch
 
+from ..arguments import add_target_quant_argument
+
 
 def load_data(path: str, seq_len: int, seed: int, pad_token_id: int):
     """A token stream (`.npy`) or a self-distillation set (a `datasets.save_to_disk` folder)."""
@@ -49,12 +51,15 @@ def run(args: argparse.Namespace) -> int:
     import treeflash_hf  # noqa: F401
 
     from ..convert import convert
+    from ..quantize import quantize_target
     from .drafter import DrafterLossConfig, train_drafter
     from .loop import LoopConfig
 
     # Under a multi-process launch each process gets its own device (cuda:<local rank>, or the CPU).
     device = torch.device(args.device) if args.device else PartialState(cpu=not torch.cuda.is_available()).device
     target = AutoModelForCausalLM.from_pretrained(args.target, dtype=torch.float32).to(device).eval()
+    # recalibration: the drafter learns the features and distributions of the quantized model it will draft for
+    target = quantize_target(target, args.target_quant)
     torch.manual_seed(args.seed)  # the new drafter (or the layers a converted checkpoint lacks) starts seeded
     if args.drafter is None:
         drafter = new_drafter(target, args)
@@ -91,6 +96,7 @@ def run(args: argparse.Namespace) -> int:
 def add_parser(subparsers) -> None:
     parser = subparsers.add_parser("train", help="Train a drafter stage (backbone or ar) for a target.")
     parser.add_argument("--stage", choices=["backbone", "ar"], required=True)
+    add_target_quant_argument(parser)
     parser.add_argument("--target", required=True, help="the target model folder or Hub id")
     parser.add_argument("--drafter", help="a TreeFlash drafter or DFlash checkpoint to continue from")
     parser.add_argument("--data", required=True, help=".npy token stream or a self-distillation dataset folder")
