@@ -215,10 +215,11 @@ def run(args: argparse.Namespace) -> int:
         record("distill_minutes", summary.get("distill_minutes", 0.0) + (time.time() - started) / 60)
     store_dir = work / "features"
     if "windows" in args.stages and not (store_dir / "store.json").exists():
+        from .reference import context_layer_ids
+
         windows, masks, heldout, sizes = make_windows(tokenizer, work, args)
-        drafter_probe = new_drafter(target, args, tokenizer)
-        create_store(store_dir, windows, masks, list(drafter_probe.config.target_layer_ids),
-                     target.config.hidden_size, args.top_k, heldout)
+        layer_ids = context_layer_ids(target.config.num_hidden_layers, args.context_layers)  # the drafter's
+        create_store(store_dir, windows, masks, layer_ids, target.config.hidden_size, args.top_k, heldout)
         record("data", sizes)
     if "features" in args.stages:
         started = time.time()
