@@ -190,3 +190,20 @@ def test_num_return_sequences_with_sampling(pair):
     assert out.shape == (6, ids.shape[1] + 10)
     assert torch.equal(out[:3, : ids.shape[1]], ids[:1].expand(3, -1))  # each prompt repeated, in order
     assert torch.equal(out[3:, : ids.shape[1]], ids[1:].expand(3, -1))
+
+
+def test_row_wise_sampling_settings_process_a_row_alone():
+    """Temperature / top-k / top-p process each row on its own (no batch of copies per node), with the values the
+    batch-shaped call gives; a processor that reads the sequence keeps the batch-shaped call."""
+    from transformers.generation.logits_process import (LogitsProcessorList, RepetitionPenaltyLogitsProcessor,
+                                                        TemperatureLogitsWarper, TopKLogitsWarper, TopPLogitsWarper)
+
+    from treeflash_hf.accept import RowProcessor
+
+    sampling = LogitsProcessorList([TemperatureLogitsWarper(0.7), TopKLogitsWarper(5), TopPLogitsWarper(0.9)])
+    sequence, scores = torch.tensor([[3, 1, 4]]), torch.randn(1, 50, generator=torch.Generator().manual_seed(0))
+    alone = RowProcessor(sampling, batch_size=4)
+    assert alone.row_wise
+    batch_shaped = sampling(sequence.expand(4, -1), scores.expand(4, -1).clone())[2:3]
+    assert torch.equal(alone(2, sequence, scores.clone()), batch_shaped)
+    assert not RowProcessor(LogitsProcessorList([*sampling, RepetitionPenaltyLogitsProcessor(1.3)]), 4).row_wise

@@ -109,3 +109,47 @@ def test_demo_streams_the_answer_and_prints_the_table(pair, capsys):
     if pair == "smollm2-135m":
         assert "--- user ---\nWrite a Python function that checks whether a string is a palindrome." in printed
         assert "<|im_start|>" not in printed  # the answer is streamed without the chat template's markup
+
+
+def test_smollm2_sampling_keeps_the_targets_distribution(smollm2):
+    """test_lossless_sampling's chi-square check (alpha 1e-3, with a power check) on the real pair in float32: the
+    first two sampled tokens after a short prompt (top-k 4, so the exact joint has at most 16 outcomes, computed
+    from the target) against 768 TreeFlash samples drawn as batches of the same prompt. Three tokens are generated
+    so that the second one can be an accepted draft (the first comes from the prefill)."""
+    from transformers.generation.logits_process import LogitsProcessorList, TemperatureLogitsWarper, TopKLogitsWarper
+
+    from treeflash_hf import forget_learned_state
+
+    from .test_lossless_sampling import ALPHA, chi_square_p
+
+    target, drafter, tokenizer = smollm2
+    prompt = tokenizer("The sea is", return_tensors="pt")["input_ids"]  # short: the batch's prefill stays cheap
+    temperature, top_k, rows, batches = 1.0, 4, 96, 8
+
+    def exact_joint(temp: float) -> dict[tuple[int, int], float]:
+        processors = LogitsProcessorList([TemperatureLogitsWarper(temp), TopKLogitsWarper(top_k)])
+        joint = {}
+        with torch.no_grad():
+            first = torch.softmax(processors(prompt, target(prompt).logits[:, -1].float()), -1)[0]
+            for token in torch.nonzero(first).flatten().tolist():
+                ids = torch.cat([prompt, torch.tensor([[token]])], dim=-1)
+                second = torch.softmax(processors(ids, target(ids).logits[:, -1].float()), -1)[0]
+                for other in torch.nonzero(second).flatten().tolist():
+                    joint[(token, other)] = float(first[token] * second[other])
+        return joint
+
+    torch.manual_seed(2024)
+    counts: dict[tuple[int, int], int] = {}
+    accepted = 0
+    for _ in range(batches):
+        forget_learned_state(drafter)
+        out = target.generate(prompt.repeat(rows, 1), attention_mask=torch.ones(rows, prompt.shape[1], dtype=torch.long),
+                              assistant_model=drafter, max_new_tokens=3, do_sample=True, temperature=temperature,
+                              top_k=top_k, top_p=1.0, tree_budget=4, tree_lookup=0, return_dict_in_generate=True)
+        for row in out.sequences[:, prompt.shape[1]:prompt.shape[1] + 2].tolist():
+            counts[tuple(row)] = counts.get(tuple(row), 0) + 1
+        accepted += sum(out.accepted_lengths)
+    total = rows * batches
+    assert accepted > total // 50  # drafted tokens really were accepted
+    assert chi_square_p(counts, exact_joint(temperature), total) > ALPHA
+    assert chi_square_p(counts, exact_joint(temperature * 1.6), total) < ALPHA  # the test can fail

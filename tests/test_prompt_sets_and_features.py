@@ -10,7 +10,7 @@ import torch
 from treeflash_hf import reference
 from treeflash_hf.prompt_sets import PromptFileError, eval_requests, load_prompts, training_requests
 from treeflash_hf.training.drafter import DrafterLossConfig, block_loss_terms, drafter_loss_terms, sample_anchors
-from treeflash_hf.training.features import FeatureStore, create_store, fill_store
+from treeflash_hf.training.features import FeatureStore, copy_windows, create_store, fill_store
 
 TEMPLATE = "{% for m in messages %}<{{ m['role'] }}>{{ m['content'] }}{% endfor %}{% if add_generation_prompt %}<a>{% endif %}"
 
@@ -75,3 +75,44 @@ def test_cached_features_give_the_live_loss(tiny, tmp_path):
     # the store holds bfloat16 features and float16 log-probs of a bfloat16-autocast forward
     assert float(cached.loss_sum) == pytest.approx(float(live.loss_sum), rel=0.05)
     assert len(store.heldout_batches(4)) == 1 and store.batch(0, 2)[0].shape == (2, 65)
+
+
+def test_a_recalibration_store_reuses_the_first_windows_for_another_target(tiny, tmp_path):
+    """`copy_windows`: the source's held-out windows and its first training windows, laid out empty for a second
+    target; filled without autocast (a quantized target computes in its own dtype)."""
+    target, drafter, _ = tiny
+    windows = torch.randint(3, target.config.vocab_size, (5, 33), generator=torch.Generator().manual_seed(2)).numpy()
+    layers, hidden = list(drafter.config.target_layer_ids), target.config.hidden_size
+    create_store(tmp_path / "full", windows, np.ones_like(windows, dtype=np.uint8), layers, hidden, top_k=4, heldout=2)
+    copy_windows(tmp_path / "full", tmp_path / "recal", 2, layers, hidden, top_k=4)
+    meta = json.loads((tmp_path / "recal" / "store.json").read_text())
+    assert meta["windows"] == 4 and meta["heldout"] == 2 and meta["done"] == 0
+    assert fill_store(target, tmp_path / "recal", batch_size=4, autocast=False) == 4
+    ids, _, context, teacher = FeatureStore(tmp_path / "recal").rows(np.arange(4))
+    assert torch.equal(ids, torch.from_numpy(windows[:4]).long())
+    with torch.no_grad():  # float32 features, rounded to the store's bfloat16
+        out = target(ids[:, :-1], output_hidden_states=True)
+    expected = torch.cat([out.hidden_states[i + 1] for i in layers], dim=-1)
+    torch.testing.assert_close(context.float(), expected, rtol=1e-2, atol=1e-2)
+
+
+def test_an_ablation_variant_trains_from_the_feature_store(tiny, tmp_path):
+    """`ablate` on the real pair trains stage ar from the recipe's cached features: the backbone stays, the AR layer
+    (re-initialised to zero) learns."""
+    from types import SimpleNamespace
+
+    from treeflash_hf.ablate import cached_trainer, variant_drafter
+
+    target, drafter, _ = tiny
+    windows = torch.randint(3, target.config.vocab_size, (4, 129), generator=torch.Generator().manual_seed(5)).numpy()
+    create_store(tmp_path / "store", windows, np.ones_like(windows, dtype=np.uint8), list(drafter.config.target_layer_ids),
+                 target.config.hidden_size, top_k=8, heldout=1)
+    fill_store(target, tmp_path / "store", batch_size=4)
+    train = cached_trainer(target, SimpleNamespace(store=tmp_path / "store", lr=1e-3, steps=2))
+    variant = variant_drafter(drafter.float(), {"ar_type": "linear"})
+    backbone = {k: v.clone() for k, v in variant.state_dict().items() if not k.startswith("ar_approximation.")}
+    summary = train(variant, tmp_path / "run", seed=1, full_finetune=False)
+    assert summary["steps"] == 2 and "eval_ar_kl" in summary["curve"][-1]
+    state = variant.state_dict()
+    assert all(torch.equal(state[k], v) for k, v in backbone.items())
+    assert torch.count_nonzero(state["ar_approximation.d.weight"]) > 0

@@ -118,6 +118,18 @@ def test_called_head_and_its_shortlist_are_lossless(base_llama, drafter, monkeyp
     assert_lossless(target, drafter)
 
 
+def test_a_quantized_head_is_prepared_once_per_weights(base_llama, drafter, monkeypatch):
+    """generate() after generate() reuses the dense copy of a quantized head; new weights make a new one."""
+    target = quantized("torchao-int8+head", base_llama)
+    made = []
+    original = TargetHead.__init__
+    monkeypatch.setattr(TargetHead, "__init__", lambda self, *a: (made.append(1), original(self, *a))[1])
+    first = TreeFlashCandidateGenerator(drafter, target, TreeOptions()).head
+    assert TreeFlashCandidateGenerator(drafter, target, TreeOptions()).head is first and len(made) == 1
+    target.lm_head.weight = torch.nn.Parameter(target.lm_head.weight.detach().clone(), requires_grad=False)
+    assert TreeFlashCandidateGenerator(drafter, target, TreeOptions()).head is not first and len(made) == 2
+
+
 def test_a_head_that_cannot_be_called_is_an_input_error(drafter):
     class BrokenHead(torch.nn.Module):
         def forward(self, hidden):

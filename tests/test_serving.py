@@ -13,7 +13,8 @@ import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from treeflash_hf import reference
-from treeflash_hf.serve_bench import format_table, stream_completion, text_divergences, time_servers
+from treeflash_hf.serve_bench import (closed_loop, format_load_table, format_table, percentile, stream_completion,
+                                     text_divergences, time_servers)
 from treeflash_hf.serving import running_server, stop_server
 
 FOLDER = reference.BUNDLED_DIR / "target"
@@ -109,6 +110,21 @@ def test_serve_bench_measures_each_server(server, expected):
     assert report["identical_texts"]
     run = stream_completion(client(server), server.model, PROMPTS[1], MAX_TOKENS)
     assert run["text"] == expected[PROMPTS[1]] and run["first_token_s"] <= run["total_s"]
+
+
+def test_the_load_test_runs_closed_loops_of_clients(server, expected):
+    """Two clients share four requests: every text is the offline greedy one, latencies come as median and p90."""
+    level = closed_loop(client(server), server.model, PROMPTS[:2], MAX_TOKENS, clients=2, requests=4)
+    assert level["requests"] == 4 and level["tokens_per_s"] > 0
+    assert 0 < level["first_token_ms_median"] <= level["first_token_ms_p90"]
+    assert level["texts"] == {0: expected[PROMPTS[0]], 1: expected[PROMPTS[1]]}
+    assert percentile([4.0, 1.0, 3.0, 2.0], 0.5) == 2.0 and percentile([1.0, 2.0, 3.0], 0.9) == 3.0
+    report = {"prompts": 2, "max_tokens": MAX_TOKENS, "dtype": "float32", "concurrency": [1, 2],
+              "treeflash_cb_warned_plain": True,
+              "levels": {name: [{**level, "tokens_per_s": rate, "identical_texts": rate != 3.0} for rate in rates]
+                         for name, rates in (("plain_cb", (2.0, 4.0)), ("treeflash", (3.0, 4.0)))}}
+    table = format_load_table(report)
+    assert "1: 1.50x, 2: 1.00x" in table and "3.0 (texts differ)" in table and "runs plain: yes" in table
 
 
 def test_serve_bench_shows_where_texts_diverge(expected):

@@ -109,3 +109,53 @@ def test_the_cost_curve_key_separates_quantized_from_dense_targets():
     assert dense.config.to_dict() == quantized.config.to_dict()
     assert model_key(dense) == model_key(tiny_llama())
     assert model_key(quantized) != model_key(dense)
+
+
+def test_bench_quant_measures_the_matrix_against_each_quantized_target(tmp_path, capsys):
+    """On the tiny pair: the dense row and a weight-only row, each lossless, τ relative to the dense one."""
+    pytest.importorskip("torchao")
+    report_path = tmp_path / "matrix.json"
+    assert cli.main(["bench-quant", "--pair", "tiny", "--specs", "none", "torchao-int8", "--prompts",
+                     "packages-heldout", "--num-prompts", "1", "--max-new-tokens", "8", "--modes", "treeflash",
+                     "--budgets", "4", "--threads", "1", "--json", str(report_path),
+                     "--plot", str(tmp_path / "plots")]) == 0
+    matrix = json.loads(report_path.read_text())["matrix"]
+    assert [row["spec"] for row in matrix] == ["none", "torchao-int8"]
+    for row in matrix:
+        assert row["logits_stable"] and row["lossless"] == "yes"
+        assert row["methods"]["treeflash@4"]["identical_to_autoregressive"] == "yes"
+        assert row["plain_tokens_per_s"] > 0
+    assert "Int8WeightOnlyConfig" in matrix[1]["backend"]
+    assert (tmp_path / "plots" / "tau_by_quantization.png").stat().st_size > 0
+    out = capsys.readouterr().out
+    assert "vs dense" in out and "torchao-int8" in out
+
+
+def test_the_lossless_cell_says_why_not():
+    from treeflash_hf.quant_bench import lossless_verdict
+
+    clean = [{"near_tie_rows": 0, "divergent_rows": 0}]
+    assert lossless_verdict(True, 0.0, clean) == "yes"
+    assert lossless_verdict(False, 2.5, clean) == "no: a token's logits depend on the forward (up to 2.5)"
+    assert lossless_verdict(True, 0.0, [{"near_tie_rows": 1, "divergent_rows": 2}]) == \
+        "no: 3 rows differ from its own generate()"
+
+
+def test_bench_runs_a_recalibrated_drafter_next_to_the_original(monkeypatch, tmp_path):
+    drafter_dir = tmp_path / "recalibrated"
+    drafter_dir.mkdir()
+    benched = {}
+
+    def run_bench(target, drafter, draft_lm, tokenizer, prompts, methods, *args, drafters=None, **kwargs):
+        benched.update(labels=[m.label for m in methods], drafters=drafters)
+        return {"dtype": "float32", "results": {}}
+
+    monkeypatch.setattr("treeflash_hf.reference.load", lambda pair, dtype: (tiny_llama(), "original", None))
+    monkeypatch.setattr("transformers.AutoModel.from_pretrained", lambda path, dtype: torch.nn.Identity())
+    monkeypatch.setattr(bench, "load_prompts", lambda *args: ["a prompt"])
+    monkeypatch.setattr(bench, "run_bench", run_bench)
+    assert cli.main(["bench", "--recalibrated", str(drafter_dir), "--modes", "prompt_lookup", "treeflash", "auto",
+                     "--budgets", "8", "--threads", "1"]) == 0
+    assert benched["labels"] == ["autoregressive", "prompt_lookup", "treeflash@8", "auto@auto",
+                                 "treeflash@8[recalibrated]", "auto@auto[recalibrated]"]
+    assert set(benched["drafters"]) == {"recalibrated"}

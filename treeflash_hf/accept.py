@@ -34,24 +34,38 @@ class Acceptance:
     scores: list[torch.Tensor]
 
 
+def row_wise_processor_types() -> tuple[type, ...]:
+    """transformers' logits processors whose output row depends on that row's scores alone (no per-row settings
+    indexed by batch position, no sequence): sampling's temperature, top-k, top-p, min-p, typical, epsilon, eta."""
+    from transformers.generation import logits_process as lp
+
+    names = ("TemperatureLogitsWarper", "TopKLogitsWarper", "TopPLogitsWarper", "MinPLogitsWarper",
+             "TypicalLogitsWarper", "EpsilonLogitsWarper", "EtaLogitsWarper")
+    return tuple(getattr(lp, name) for name in names if hasattr(lp, name))
+
+
 class RowProcessor:
     """`generate()`'s logits processors applied to one row of the original batch.
 
     transformers' processors are batch-aware: some hold per-row settings indexed by batch position (a repetition
     penalty's per-row prompt lengths, for one) and expect every row of the batch. Rows here advance at different
     speeds and leave the batch when they finish, so each row is processed at its own length, in a call shaped like
-    the original batch whose other rows are copies of it; its own row of the result is kept."""
+    the original batch whose other rows are copies of it; its own row of the result is kept. When every processor
+    is row-wise (`row_wise_processor_types`: plain sampling settings) a row is processed alone, `[1, V]`: the same
+    values without B copies of the vocabulary per node."""
 
     def __init__(self, logits_processor, batch_size: int):
         self.logits_processor = logits_processor
         self.batch_size = batch_size
+        row_wise = row_wise_processor_types()
+        self.row_wise = logits_processor is None or all(type(p) in row_wise for p in logits_processor)
 
     def __len__(self) -> int:
         return len(self.logits_processor) if self.logits_processor is not None else 0
 
     def __call__(self, row: int, sequence: torch.LongTensor, scores: torch.Tensor) -> torch.Tensor:
         """Processed scores `[1, V]` of original row `row`, whose tokens so far are `sequence [1, S]`."""
-        if self.batch_size == 1:
+        if self.batch_size == 1 or self.row_wise:
             return self.logits_processor(sequence, scores)
         processed = self.logits_processor(sequence.expand(self.batch_size, -1),
                                           scores.expand(self.batch_size, -1).clone())

@@ -42,10 +42,12 @@ BASELINE_STYLES = {"autoregressive": ("black", ":"), "hf_assisted": ("tab:purple
 class Method:
     name: str
     budget: int | str | None = None
+    drafter: str = ""  # a key of run_bench's `drafters` (e.g. "recalibrated"); "" is the run's own drafter
 
     @property
     def label(self) -> str:
-        return self.name if self.budget is None else f"{self.name}@{self.budget}"
+        label = self.name if self.budget is None else f"{self.name}@{self.budget}"
+        return f"{label}[{self.drafter}]" if self.drafter else label
 
 
 @dataclass
@@ -250,9 +252,11 @@ def encode_batches(tokenizer, prompts: list[str], batch_size: int, max_prompt_to
 
 def run_bench(target, drafter, draft_lm, tokenizer, prompts: list[str], methods: list[Method], max_new_tokens: int,
               temperature: float, repeats: int, max_prompt_tokens: int = 384, progress: bool = True,
-              batch_size: int = 1) -> dict:
+              batch_size: int = 1, drafters: dict | None = None, measure_shape_noise: bool = True) -> dict:
     """Every method on the same prompts, interleaved per batch (batch -> repeat -> method). Greedy runs compare
-    every row with the target's own batch-1 output for that prompt (`Identity`)."""
+    every row with the target's own batch-1 output for that prompt (`Identity`). `drafters`: other drafters for
+    the methods that name one (`Method.drafter`)."""
+    drafters = {"": drafter, **(drafters or {})}
     from tqdm.auto import tqdm
 
     greedy = temperature == 0
@@ -266,23 +270,28 @@ def run_bench(target, drafter, draft_lm, tokenizer, prompts: list[str], methods:
                   else [target.generation_config.eos_token_id])
     batches = encode_batches(tokenizer, prompts, batch_size, max_prompt_tokens, target.device)
     singles = encode_batches(tokenizer, prompts, 1, max_prompt_tokens, target.device)
-    references = []  # the target's own batch-1 greedy output per prompt: what every method must reproduce
-    if greedy:
+    # the target's own batch-1 greedy output per prompt: what every method must reproduce. At batch size 1 the
+    # `autoregressive` method's first run is that very call: it runs first on each prompt and its rows are kept.
+    from_plain_method = greedy and batch_size == 1 and any(m.name == "autoregressive" for m in methods)
+    if from_plain_method:
+        methods = sorted(methods, key=lambda m: m.name != "autoregressive")
+    references: list[list[int] | None] = [None] * len(singles)
+    if greedy and not from_plain_method:
         with torch.no_grad():
-            for single in singles:
+            for index, single in enumerate(singles):
                 out = target.generate(**single, **common)
-                references.append(new_tokens_per_row(out, single["input_ids"].shape[1], eos_ids)[0])
+                references[index] = new_tokens_per_row(out, single["input_ids"].shape[1], eos_ids)[0]
     results = {m.label: [Measurement() for _ in range(repeats)] for m in methods}
     identity = {m.label: Identity() for m in methods}
     for method in methods:  # warm-up: first calls pay one-time costs (compilation; "auto" measures its cost curve)
-        run_method(target, batches[0], method, drafter, draft_lm, {**common, "max_new_tokens": 8})
+        run_method(target, batches[0], method, drafters[method.drafter], draft_lm, {**common, "max_new_tokens": 8})
     bar = tqdm(total=len(batches) * repeats * len(methods), desc="bench", disable=not progress)
     for batch_index, inputs in enumerate(batches):
         width = inputs["input_ids"].shape[1]
         for repeat in range(repeats):
             for method in methods:
-                out, seconds, forwards, accepted, row_steps = run_method(target, inputs, method, drafter, draft_lm,
-                                                                         common)
+                out, seconds, forwards, accepted, row_steps = run_method(target, inputs, method,
+                                                                         drafters[method.drafter], draft_lm, common)
                 rows = new_tokens_per_row(out, width, eos_ids)
                 measurement = results[method.label][repeat]
                 measurement.seconds += seconds
@@ -294,6 +303,8 @@ def run_bench(target, drafter, draft_lm, tokenizer, prompts: list[str], methods:
                 measurement.row_steps += row_steps
                 if repeat == 0:
                     measurement.accepted.update(accepted)
+                if from_plain_method and repeat == 0 and method.name == "autoregressive":
+                    references[batch_index] = rows[0]
                 if greedy and repeat == 0:
                     for offset, row in enumerate(rows):
                         prompt_index = batch_index * batch_size + offset
@@ -302,10 +313,12 @@ def run_bench(target, drafter, draft_lm, tokenizer, prompts: list[str], methods:
                 bar.update(1)
     bar.close()
     reference = results.get("autoregressive")
-    noise = shape_noise(target, singles, references, common, eos_ids) if greedy and batch_size == 1 else None
+    noise = None
+    if measure_shape_noise and greedy and batch_size == 1:
+        noise = shape_noise(target, singles, references, common, eos_ids)
     table = {}
     for method in methods:
-        table[method.label] = {"method": method.name, "budget": method.budget, **summarize(
+        table[method.label] = {"method": method.name, "budget": method.budget, "drafter": method.drafter, **summarize(
             results[method.label], reference, identity[method.label] if greedy else None)}
     shape = None if noise is None else {"identical_rows": noise.identical, "near_tie_rows": noise.near_ties,
                                         "divergent_rows": noise.other, "tie_gaps": noise.tie_gaps,
@@ -361,11 +374,12 @@ def plot(report: dict, out_dir: Path) -> list[Path]:
                               ("speedup", "speedup vs autoregressive", "speedup_vs_budget.png")):
         fig, ax = plt.subplots(figsize=(6, 4))
         for mode in TREE_MODES + LOOKUP_MODES:
-            points = sorted((r["budget"], r[key]) for r in rows if r["method"] == mode and isinstance(r["budget"], int))
+            points = sorted((r["budget"], r[key]) for r in rows
+                            if r["method"] == mode and isinstance(r["budget"], int) and not r.get("drafter"))
             if points:
                 ax.plot(*zip(*points), marker="o", label=mode)
         for r in rows:
-            if r["method"] in BASELINE_STYLES and key in r:
+            if r["method"] in BASELINE_STYLES and key in r and not r.get("drafter"):
                 color, style = BASELINE_STYLES[r["method"]]
                 ax.axhline(r[key], linestyle=style, linewidth=1.2, label=r["method"], color=color)
         ax.set_xscale("log", base=2)
@@ -379,6 +393,12 @@ def plot(report: dict, out_dir: Path) -> list[Path]:
         plt.close(fig)
         written.append(path)
     return written
+
+
+def uses_drafter(name: str) -> bool:
+    """Whether method `name` drafts with the TreeFlash drafter."""
+    base = name.removesuffix(LOOKUP_SUFFIX)
+    return base in TREE_MODES or base == "auto" or name == "hf_dflash"
 
 
 def parse_methods(modes: list[str], budgets: list[int]) -> list[Method]:
@@ -411,18 +431,25 @@ def run(args: argparse.Namespace) -> int:
     dtype = args.dtype if args.dtype == "auto" else getattr(torch, args.dtype)
     if dtype == "auto" and args.target_quant != "none":
         dtype = torch.float32  # the quantized kernels compute in float32 here
-    if args.target or args.drafter:
+    if args.target:
+        if not args.drafter:
+            raise SystemExit("error: --target needs --drafter (a drafter trained for that target).")
         tokenizer = AutoTokenizer.from_pretrained(args.tokenizer or args.target)
         target = AutoModelForCausalLM.from_pretrained(args.target, dtype=dtype).eval()
-        drafter = AutoModel.from_pretrained(args.drafter, dtype=target.dtype).eval()
-    else:
+    else:  # the pair's target, and its drafter unless --drafter names another one trained for it
         target, drafter, tokenizer = reference.load(args.pair, dtype=dtype)
+    if args.drafter:
+        drafter = AutoModel.from_pretrained(args.drafter, dtype=target.dtype).eval()
     target = quantize_target(target, args.target_quant)
     try:
         prompts = load_prompts(args.prompts, args.num_prompts, tokenizer)
     except PromptFileError as err:
         raise SystemExit(f"error: {err}") from None
     methods = parse_methods(args.modes, args.budgets)
+    drafters = {}
+    if args.recalibrated:  # the same drafter-based methods again with the recalibrated drafter, side by side
+        drafters["recalibrated"] = AutoModel.from_pretrained(args.recalibrated, dtype=target.dtype).eval()
+        methods += [Method(m.name, m.budget, "recalibrated") for m in methods if uses_drafter(m.name)]
     draft_lm = None
     if any(m.name == "hf_assisted" for m in methods) and args.batch_size == 1:
         if args.draft_lm:
@@ -433,7 +460,7 @@ def run(args: argparse.Namespace) -> int:
             print("hf_assisted skipped: it needs an AR draft model with the target's vocabulary (--draft-lm DIR)")
             methods = [m for m in methods if m.name != "hf_assisted"]
     report = run_bench(target, drafter, draft_lm, tokenizer, prompts, methods, args.max_new_tokens,
-                       args.temperature, args.repeats, batch_size=args.batch_size)
+                       args.temperature, args.repeats, batch_size=args.batch_size, drafters=drafters)
     report["prompts"] = args.prompts
     report["target_quant"], report["target_quant_backend"] = args.target_quant, describe(args.target_quant)
     print_table(report)
@@ -453,8 +480,9 @@ def write_report(report: dict, json_path: str | None, plot_dir: str | None, plot
 
 def add_parser(subparsers) -> None:
     parser = subparsers.add_parser("bench", help="τ and speedup of every method, side by side.")
-    parser.add_argument("--target")
-    parser.add_argument("--drafter")
+    parser.add_argument("--target", help="a target folder (with --drafter) instead of a --pair")
+    parser.add_argument("--drafter", help="a drafter folder for the target (default: the pair's own), e.g. one "
+                                          "recalibrated by `reference train-drafter --target-quant`")
     parser.add_argument("--tokenizer")
     parser.add_argument("--draft-lm", help="AR draft LM for hf_assisted (default: the bundled one)")
     add_pair_argument(parser, " (unless --target and --drafter are given)")
@@ -477,6 +505,9 @@ def add_parser(subparsers) -> None:
                         help="run dtype (auto: the weights' own, bfloat16 for the bundled pair; float32 with "
                              "--target-quant)")
     add_target_quant_argument(parser)
+    parser.add_argument("--recalibrated", metavar="DIR",
+                        help="a drafter recalibrated for --target-quant (`reference train-drafter --target-quant`): "
+                             "its tree methods run next to the original drafter's")
     parser.add_argument("--json")
     parser.add_argument("--plot")
     parser.set_defaults(func=run)

@@ -52,7 +52,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--debug", action="store_true",
                         help="show the Python traceback of a failure (accepted anywhere on the command line)")
     sub = parser.add_subparsers(dest="command", required=True)
-    from . import ablate, bench, bundle, convert, demo, evaluate, hub, profile, reference, serve_bench
+    from . import ablate, bench, bundle, convert, demo, evaluate, hub, profile, quant_bench, reference, serve_bench
     from .training import cli as train_cli
 
     ablate.add_parser(sub)
@@ -64,6 +64,7 @@ def build_parser() -> argparse.ArgumentParser:
     hub.add_parser(sub)
     train_cli.add_parser(sub)
     profile.add_parser(sub)
+    quant_bench.add_parser(sub)
     reference.add_parser(sub)
     serve_bench.add_parser(sub)
     return parser

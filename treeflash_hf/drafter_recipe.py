@@ -12,6 +12,13 @@ session; a stage whose output exists is skipped):
    top-K next-token log-probs, kept for every epoch of the stages below.
 4. `backbone`, then `ar`: the drafter stages of `training/drafter.py`, from the cached features.
 5. `export`: the drafter in bfloat16 with its tree defaults, README and training summary, into `--out`.
+
+Recalibration (`--target-quant SPEC`): the same recipe fits a trained drafter to a quantized copy of the target.
+`windows` takes the first `--recalibration-windows` training windows (and the held-out ones) of the full-precision
+store (`--windows-from`), `features` runs the quantized target over them in its own float32 compute, `ar`
+fine-tunes the AR layer of `--init` (the bundled drafter; the backbone stays frozen, as the paper's cheap
+recalibration), and `export` writes it to `--out` (default `<work>/drafter`). Work goes to
+`reference_work/smollm2-SPEC` by default.
 """
 
 from __future__ import annotations
@@ -26,17 +33,21 @@ import numpy as np
 import torch
 
 STAGES = ("distill", "windows", "features", "backbone", "ar", "export")
+RECALIBRATION_STAGES = ("windows", "features", "ar", "export")
 MASK_TOKEN = "<empty_output>"  # id 16: a special token never used in chat; the target's embeddings are frozen
 
 
 def load_target(args: argparse.Namespace):
-    """The SmolLM2 target (float32 weights: the stages run it under bfloat16 autocast) and its tokenizer."""
+    """The SmolLM2 target (float32 weights: the stages run it under bfloat16 autocast; quantized by
+    `--target-quant`, float32 compute) and its tokenizer."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     from .pairs import smollm2_target_dir
+    from .quantize import quantize_target
 
     folder = smollm2_target_dir()
     target = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32, attn_implementation="sdpa").eval()
+    target = quantize_target(target, args.target_quant)
     target.requires_grad_(False)
     return target, AutoTokenizer.from_pretrained(folder)
 
@@ -147,8 +158,11 @@ def new_drafter(target, args: argparse.Namespace, tokenizer):
     return type(drafter)(config)
 
 
-def train_stage(stage: str, target, drafter, store, work: Path, args: argparse.Namespace) -> dict:
-    """One drafter stage on the cached features, time-bounded and resumable (`work/run-<stage>`)."""
+def train_stage(stage: str, target, drafter, store, run_dir: Path, args, minutes: float | None = None,
+                fixed_steps: int | None = None, full_finetune: bool = False) -> dict:
+    """One drafter stage on the cached features `store`, resumable from `run_dir`: `fixed_steps` steps, or as many as
+    fit `minutes` (measured on a few steps; the stop is also time-bounded then). `args`: `num_anchors`,
+    `batch_size`, `lr`, `seed`. `full_finetune`: stage ar trains the backbone too."""
     from .reference import schedule_length
     from .training.drafter import DrafterLossConfig, block_loss_terms, freeze_for_stage, sample_anchors
     from .training.loop import LoopConfig, LossTerms, Shard, train_loop
@@ -157,7 +171,7 @@ def train_stage(stage: str, target, drafter, store, work: Path, args: argparse.N
     loss_config = DrafterLossConfig(stage=stage, num_anchors=args.num_anchors)
     block = drafter.config.block_size
     generator = torch.Generator()
-    freeze_for_stage(drafter, stage)
+    freeze_for_stage(drafter, stage, full_finetune)
 
     def terms(item, seed: int, stage_name: str = stage) -> LossTerms:
         ids, mask, context, teacher = item
@@ -179,16 +193,13 @@ def train_stage(stage: str, target, drafter, store, work: Path, args: argparse.N
                     totals[f"{stage_name}_{key}"] = (old[0] + float(num), old[1] + float(den))
         return totals
 
-    run_dir = work / f"run-{stage}"
-    minutes = args.backbone_minutes if stage == "backbone" else args.ar_minutes
-
     def probe(step: int) -> None:
         with torch.autocast("cpu", dtype=torch.bfloat16):
             loss = terms(store.batch(step, args.batch_size), step)
         (loss.loss_sum / loss.weight).backward()
         drafter.zero_grad(set_to_none=True)
 
-    max_steps = schedule_length(run_dir, minutes, probe)
+    max_steps = schedule_length(run_dir, minutes, probe, fixed_steps=fixed_steps)
     config = LoopConfig(run_dir=str(run_dir), max_steps=max_steps, max_minutes=minutes, batch_size=args.batch_size,
                         lr=args.lr, warmup_steps=min(50, max_steps // 10), eval_every=max(10, max_steps // 8),
                         save_every=max(10, max_steps // 16), seed=args.seed, resume=True, mixed_precision="bf16")
@@ -196,10 +207,18 @@ def train_stage(stage: str, target, drafter, store, work: Path, args: argparse.N
 
 
 def run(args: argparse.Namespace) -> int:
-    from .training.features import FeatureStore, create_store, fill_store
+    from .pairs import SMOLLM2_DRAFTER
+    from .training.features import FeatureStore, copy_windows, create_store, fill_store
 
     torch.set_num_threads(args.threads)
-    work, out = Path(args.work), Path(args.out)
+    recalibrating = args.target_quant != "none"
+    work = Path(args.work or ("reference_work/smollm2" + (f"-{args.target_quant}" if recalibrating else "")))
+    out = Path(args.out or (work / "drafter" if recalibrating else SMOLLM2_DRAFTER))
+    if args.stages is None:
+        args.stages = list(RECALIBRATION_STAGES if recalibrating else STAGES)
+    if recalibrating and not set(args.stages) <= set(RECALIBRATION_STAGES):
+        raise SystemExit("error: recalibration (--target-quant) runs the stages windows, features, ar and export: "
+                         "the data and the backbone are the full-precision drafter's.")
     work.mkdir(parents=True, exist_ok=True)
     target, tokenizer = load_target(args)
     summary_file = work / "summary.json"
@@ -214,31 +233,53 @@ def run(args: argparse.Namespace) -> int:
         distill(target, tokenizer, work, args)
         record("distill_minutes", summary.get("distill_minutes", 0.0) + (time.time() - started) / 60)
     store_dir = work / "features"
+    drafter = initial_drafter(args.init, target) if recalibrating else new_drafter(target, args, tokenizer)
     if "windows" in args.stages and not (store_dir / "store.json").exists():
-        from .reference import context_layer_ids
-
-        windows, masks, heldout, sizes = make_windows(tokenizer, work, args)
-        layer_ids = context_layer_ids(target.config.num_hidden_layers, args.context_layers)  # the drafter's
-        create_store(store_dir, windows, masks, layer_ids, target.config.hidden_size, args.top_k, heldout)
-        record("data", sizes)
+        layer_ids = list(drafter.config.target_layer_ids)
+        if recalibrating:
+            copy_windows(args.windows_from, store_dir, args.recalibration_windows, layer_ids,
+                         target.config.hidden_size, args.top_k)
+            record("data", {"windows_from": str(args.windows_from),
+                            "windows": json.loads((store_dir / "store.json").read_text())["windows"]})
+        else:
+            windows, masks, heldout, sizes = make_windows(tokenizer, work, args)
+            create_store(store_dir, windows, masks, layer_ids, target.config.hidden_size, args.top_k, heldout)
+            record("data", sizes)
     if "features" in args.stages:
         started = time.time()
-        done = fill_store(target, store_dir, batch_size=4, minutes=args.features_minutes)
+        done = fill_store(target, store_dir, batch_size=4, minutes=args.features_minutes,
+                          autocast=not recalibrating)
         record("features_minutes", summary.get("features_minutes", 0.0) + (time.time() - started) / 60)
         record("feature_windows_done", done)
-    drafter = new_drafter(target, args, tokenizer)
     for stage in ("backbone", "ar"):
         if stage in args.stages:
             store = FeatureStore(store_dir, seed=args.seed)
-            if stage == "ar":
+            if stage == "ar" and not recalibrating:
                 load_stage(drafter, work / "run-backbone")
-            stage_summary = train_stage(stage, target, drafter, store, work, args)
+            minutes = args.backbone_minutes if stage == "backbone" else args.ar_minutes
+            stage_summary = train_stage(stage, target, drafter, store, work / f"run-{stage}", args, minutes)
             stage_summary["windows_available"] = store.done
             record(stage, {k: v for k, v in stage_summary.items()})
     if "export" in args.stages:
         load_stage(drafter, work / "run-ar")
-        export(drafter, out, summary)
+        export(drafter, out, summary, args.target_quant)
     return 0
+
+
+def initial_drafter(path: str, target):
+    """The drafter a recalibration starts from (float32), checked to fit the recipe's target."""
+    from transformers import AutoModel
+
+    import treeflash_hf  # noqa: F401  (registers the drafter classes)
+
+    if not (Path(path) / "config.json").is_file():
+        raise SystemExit(f"error: --init {path} is not a drafter folder (no config.json).")
+    drafter = AutoModel.from_pretrained(path, dtype=torch.float32)
+    for name in ("hidden_size", "vocab_size"):
+        if getattr(drafter.config, name) != getattr(target.config, name):
+            raise SystemExit(f"error: --init {path} was not trained for this target ({name} "
+                             f"{getattr(drafter.config, name)} vs {getattr(target.config, name)}).")
+    return drafter
 
 
 def load_stage(drafter, run_dir: Path) -> None:
@@ -251,7 +292,7 @@ def load_stage(drafter, run_dir: Path) -> None:
     drafter.load_state_dict(load_checkpoint(checkpoint)["model"])
 
 
-def export(drafter, out: Path, summary: dict) -> None:
+def export(drafter, out: Path, summary: dict, target_quant: str = "none") -> None:
     """The drafter in bfloat16 with the reference tree defaults, its training summary and README."""
     from .reference import write_readme
 
@@ -267,20 +308,34 @@ def export(drafter, out: Path, summary: dict) -> None:
                                                            "distill_minutes": summary.get("distill_minutes"),
                                                            "features_minutes": summary.get("features_minutes")},
                                                           indent=2))
-    write_readme(out, "TreeFlash drafter for SmolLM2-135M-Instruct (the `smollm2-135m` pair), trained by "
-                 "`treeflash-hf reference train-drafter`.", stages, sum(p.numel() for p in drafter.parameters()),
+    title = "TreeFlash drafter for SmolLM2-135M-Instruct (the `smollm2-135m` pair), trained by " \
+            "`treeflash-hf reference train-drafter`."
+    if target_quant != "none":
+        from .quantize import describe
+
+        title += (f" Recalibrated (`--target-quant {target_quant}`: AR layer fine-tuned) for the target quantized "
+                  f"by {describe(target_quant)}.")
+    write_readme(out, title, stages, sum(p.numel() for p in drafter.parameters()),
                  torch.bfloat16, recipe="reference train-drafter")
     drafter.to(torch.float32)
     print(f"saved {out}")
 
 
 def add_parser(subparsers) -> None:
+    from .arguments import add_target_quant_argument
     from .pairs import SMOLLM2_DRAFTER
 
     parser = subparsers.add_parser("train-drafter", help="the recipe of the bundled SmolLM2 drafter (resumable)")
-    parser.add_argument("--work", default="reference_work/smollm2", help="data, features and checkpoints (ignored)")
-    parser.add_argument("--out", default=str(SMOLLM2_DRAFTER))
-    parser.add_argument("--stages", nargs="+", choices=STAGES, default=list(STAGES))
+    parser.add_argument("--work", help="data, features and checkpoints (ignored; default reference_work/smollm2, "
+                                       "reference_work/smollm2-SPEC with --target-quant)")
+    parser.add_argument("--out", help=f"default {SMOLLM2_DRAFTER}; <work>/drafter with --target-quant")
+    add_target_quant_argument(parser)
+    parser.add_argument("--init", default=str(SMOLLM2_DRAFTER), help="the drafter a recalibration starts from")
+    parser.add_argument("--windows-from", default="reference_work/smollm2/features",
+                        help="the full-precision feature store whose windows a recalibration reuses")
+    parser.add_argument("--recalibration-windows", type=int, default=240)
+    parser.add_argument("--stages", nargs="+", choices=STAGES,
+                        help=f"default: {' '.join(STAGES)}; {' '.join(RECALIBRATION_STAGES)} with --target-quant")
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--distill-requests", type=int, default=2048)

@@ -19,6 +19,20 @@ from .arguments import add_pair_argument, positive_int
 from .serving import running_server
 
 SERVERS = ("plain", "treeflash")
+# `--concurrency`: how each server of the load test runs the folder (trust remote code: TreeFlash; extra arguments)
+LOAD_SERVERS = {
+    "plain": (False, ()),
+    "plain_cb": (False, ("--continuous-batching",)),
+    "treeflash": (True, ()),
+    "treeflash_cb": (True, ("--continuous-batching",)),
+}
+LOAD_NOTES = {
+    "plain": "plain target, one request at a time (the server's single inference thread)",
+    "plain_cb": "plain target, transformers' continuous batching",
+    "treeflash": "TreeFlash folder (one request at a time)",
+    "treeflash_cb": "TreeFlash folder with --continuous-batching: decodes with the plain target and says so in its "
+                    "log (TreeFlash inside continuous batching is not built yet)",
+}
 
 
 def stream_completion(client, model: str, prompt: str, max_tokens: int) -> dict:
@@ -79,6 +93,88 @@ def time_servers(servers: dict, prompts: list[str], max_tokens: int, repeats: in
         "identical_texts": all(texts["plain"][i] == texts["treeflash"][i] for i in texts["plain"]),
         "texts": {name: [texts[name][i] for i in range(len(prompts))] for name in SERVERS},
     }
+
+
+def percentile(values: list[float], fraction: float) -> float:
+    """The `fraction` quantile of `values` (nearest rank)."""
+    ordered = sorted(values)
+    return ordered[min(len(ordered) - 1, max(0, int(round(fraction * len(ordered) + 0.5)) - 1))]
+
+
+def closed_loop(client, model: str, prompts: list[str], max_tokens: int, clients: int, requests: int) -> dict:
+    """`clients` threads, each sending its next request as soon as its last one finished, until `requests` requests
+    (prompts in turn) are done. Returns output tokens/s over the wall time, first-token latency median and p90 (ms),
+    and each prompt's text."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    start = time.perf_counter()
+    with ThreadPoolExecutor(max_workers=clients) as pool:
+        runs = list(pool.map(lambda i: (i % len(prompts), stream_completion(client, model, prompts[i % len(prompts)],
+                                                                            max_tokens)), range(requests)))
+    wall_s = time.perf_counter() - start
+    first = [run["first_token_s"] * 1000 for _, run in runs]
+    return {"clients": clients, "requests": requests, "wall_s": wall_s,
+            "tokens_per_s": sum(run["tokens"] for _, run in runs) / wall_s,
+            "first_token_ms_median": statistics.median(first), "first_token_ms_p90": percentile(first, 0.9),
+            "texts": {index: run["text"] for index, run in runs}}
+
+
+def run_load_bench(folder: Path, prompts: list[str], max_tokens: int, concurrency: list[int], requests: int,
+                   dtype: str, device: str, servers: list[str]) -> dict:
+    """Each server of `servers` (`LOAD_SERVERS`) in turn: started, warmed up, then `closed_loop` at every level of
+    `concurrency` with `max(requests, 2 * clients)` requests. Texts are compared with the first server's."""
+    import openai
+
+    levels: dict[str, list[dict]] = {}
+    reference: dict[int, str] = {}
+    warned_plain = None  # whether the TreeFlash folder under continuous batching said that it runs plain
+    for name in servers:
+        trust, extra = LOAD_SERVERS[name]
+        with running_server(folder, trust_remote_code=trust, dtype=dtype, device=device, extra_args=extra) as server:
+            client = openai.OpenAI(base_url=f"{server.base_url}/v1", api_key="unused", max_retries=0, timeout=1800.0)
+            stream_completion(client, server.model, prompts[0], max_tokens=min(8, max_tokens))  # one-time costs
+            levels[name] = []
+            for clients in concurrency:
+                level = closed_loop(client, server.model, prompts, max_tokens, clients, max(requests, 2 * clients))
+                texts = level.pop("texts")
+                for index, text in texts.items():
+                    reference.setdefault(index, text)
+                level["identical_texts"] = all(reference[index] == text for index, text in texts.items())
+                levels[name].append(level)
+                print(f"{name:13s} {clients:3d} clients: {level['tokens_per_s']:6.1f} tok/s, first token "
+                      f"{level['first_token_ms_median']:.0f} ms (p90 {level['first_token_ms_p90']:.0f})", flush=True)
+            if name == "treeflash_cb":
+                warned_plain = "TreeFlash is off for continuous batching" in server.log_tail(200_000)
+    return {"folder": str(folder), "dtype": dtype, "device": device, "max_tokens": max_tokens,
+            "prompts": len(prompts), "concurrency": concurrency, "levels": levels, "treeflash_cb_warned_plain":
+            warned_plain,
+            "reference_texts": {str(k): v for k, v in sorted(reference.items())}}
+
+
+def format_load_table(report: dict) -> str:
+    names = [name for name in LOAD_SERVERS if name in report["levels"]]
+    rows = ["| clients | " + " | ".join(f"{name} tok/s | {name} TTFT ms (p90)" for name in names) + " |",
+            "|---|" + "---|---|" * len(names)]
+    for index, clients in enumerate(report["concurrency"]):
+        cells = []
+        for name in names:
+            level = report["levels"][name][index]
+            same = "" if level["identical_texts"] else " (texts differ)"
+            cells.append(f"{level['tokens_per_s']:.1f}{same} | {level['first_token_ms_median']:.0f} "
+                         f"({level['first_token_ms_p90']:.0f})")
+        rows.append(f"| {clients} | " + " | ".join(cells) + " |")
+    if "plain_cb" in names and "treeflash" in names:
+        levels = report["levels"]
+        ratios = ", ".join(f"{clients}: {fast['tokens_per_s'] / plain['tokens_per_s']:.2f}x" for clients, fast, plain
+                           in zip(report["concurrency"], levels["treeflash"], levels["plain_cb"]))
+        rows.append(f"\nTreeFlash folder / plain continuous batching, tokens/s by clients: {ratios}")
+    rows.extend(f"- {name}: {LOAD_NOTES[name]}" for name in names)
+    if report.get("treeflash_cb_warned_plain") is not None:
+        warned = "yes" if report["treeflash_cb_warned_plain"] else "NO"
+        rows.append(f"- treeflash_cb logged that it runs plain: {warned}")
+    rows.append(f"({report['prompts']} prompts, {report['max_tokens']} tokens max, {report['dtype']}, closed loop: "
+                "each client sends its next request when its last one finished)")
+    return "\n".join(rows)
 
 
 def text_divergences(target, tokenizer, prompts: list[str], plain_texts: list[str], fast_texts: list[str]
@@ -153,8 +249,13 @@ def run(args: argparse.Namespace) -> int:
                                 "`treeflash-hf bundle --target T --drafter D --out DIR`.")
     prompt_set = args.prompts or ("packages-heldout" if args.pair == "tiny" and not args.folder else "instruct-heldout")
     prompts = load_prompts(prompt_set, args.num_prompts, AutoTokenizer.from_pretrained(folder))
-    report = run_serve_bench(folder, prompts, args.max_tokens, args.repeats, args.dtype, args.device)
-    print(format_table(report))
+    if args.concurrency:
+        report = run_load_bench(folder, prompts, args.max_tokens, args.concurrency, args.requests, args.dtype,
+                                args.device, args.servers)
+        print(format_load_table(report))
+    else:
+        report = run_serve_bench(folder, prompts, args.max_tokens, args.repeats, args.dtype, args.device)
+        print(format_table(report))
     if args.json:
         Path(args.json).parent.mkdir(parents=True, exist_ok=True)
         Path(args.json).write_text(json.dumps(report, indent=2))
@@ -174,5 +275,11 @@ def add_parser(subparsers) -> None:
     parser.add_argument("--dtype", default="auto",
                         help="the servers' --dtype (default auto: the dtype the weights are stored in)")
     parser.add_argument("--device", default="auto", help="the servers' --device (default auto)")
+    parser.add_argument("--concurrency", type=positive_int, nargs="+",
+                        help="the load test: closed loops of N clients on each of --servers, one server at a time")
+    parser.add_argument("--requests", type=positive_int, default=8,
+                        help="requests per load level (at least 2 per client)")
+    parser.add_argument("--servers", nargs="+", choices=list(LOAD_SERVERS), default=list(LOAD_SERVERS),
+                        help="the load test's servers (default all)")
     parser.add_argument("--json", help="write the report here")
     parser.set_defaults(func=run)

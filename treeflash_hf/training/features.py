@@ -94,11 +94,25 @@ def create_store(folder: str | Path, windows: np.ndarray, loss_mask: np.ndarray,
     (folder / STORE_FILE).write_text(json.dumps(meta, indent=2))
 
 
+def copy_windows(source: str | Path, folder: str | Path, count: int, layer_ids: list[int], hidden_size: int,
+                 top_k: int) -> None:
+    """Lay out an empty store over the first `count` training windows of the store `source` (and all its held-out
+    ones, kept held out): the same data for another target, e.g. a quantized copy of the first one."""
+    source_meta = json.loads((Path(source) / STORE_FILE).read_text())
+    heldout = int(source_meta["heldout"])
+    stop = min(int(source_meta["windows"]), heldout + count)
+    windows = np.load(Path(source) / "windows.npy", mmap_mode="r")[:stop]
+    loss_mask = np.load(Path(source) / "loss_mask.npy", mmap_mode="r")[:stop]
+    create_store(folder, np.asarray(windows), np.asarray(loss_mask), layer_ids, hidden_size, top_k, heldout)
+
+
 @torch.no_grad()
-def fill_store(target, folder: str | Path, batch_size: int = 4, minutes: float | None = None) -> int:
+def fill_store(target, folder: str | Path, batch_size: int = 4, minutes: float | None = None,
+               autocast: bool = True) -> int:
     """Run the frozen `target` over the store's windows not done yet, `batch_size` at a time, under bfloat16
-    autocast on a CPU (its AMX units; bfloat16 weights are slower there), writing each batch's outputs and then the
-    `done` count, so an interrupted build resumes. Stops after `minutes`. Returns the windows done."""
+    autocast (`autocast`; on a CPU its AMX units, bfloat16 weights are slower there; a quantized target runs in its
+    own compute dtype instead), writing each batch's outputs and then the `done` count, so an interrupted build
+    resumes. Stops after `minutes`. Returns the windows done."""
     folder = Path(folder)
     meta = json.loads((folder / STORE_FILE).read_text())
     count, seq_len, width, top_k = meta["windows"], meta["seq_len"], meta["feature_width"], meta["top_k"]
@@ -114,7 +128,7 @@ def fill_store(target, folder: str | Path, batch_size: int = 4, minutes: float |
         start = meta["done"]
         stop = min(count, start + batch_size)
         tokens = torch.from_numpy(windows[start:stop, :-1].astype(np.int64)).to(device)
-        with torch.autocast(device.type, dtype=torch.bfloat16):
+        with torch.autocast(device.type, dtype=torch.bfloat16, enabled=autocast):
             out = target(tokens, output_hidden_states=[i + 1 for i in layer_ids])
         features = torch.cat([out.hidden_states[i + 1] for i in layer_ids], dim=-1).to(torch.bfloat16)
         top = torch.log_softmax(out.logits.float(), dim=-1).topk(top_k, dim=-1)
@@ -130,4 +144,4 @@ def fill_store(target, folder: str | Path, batch_size: int = 4, minutes: float |
     return meta["done"]
 
 
-__all__ = ["FeatureStore", "create_store", "fill_store"]
+__all__ = ["FeatureStore", "copy_windows", "create_store", "fill_store"]

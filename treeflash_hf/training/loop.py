@@ -116,6 +116,19 @@ class _Objective(torch.nn.Module):
         return loss, {"loss": loss_total / weight_total, **metrics}, int(tokens)
 
 
+def new_accelerator(on_cpu: bool, mixed_precision: str):
+    """An `Accelerator` for one training. accelerate keeps one state per Python process and refuses a second
+    `Accelerator` with another mixed precision; in a single-process run (several trainings in one process:
+    ablations, recalibrations, tests) that state is started afresh instead. Launched processes keep theirs."""
+    from accelerate import Accelerator
+    from accelerate.state import AcceleratorState, PartialState
+
+    earlier = AcceleratorState._shared_state.get("_mixed_precision")
+    if earlier not in (None, mixed_precision) and PartialState().num_processes == 1:
+        AcceleratorState._reset_state()
+    return Accelerator(cpu=on_cpu, mixed_precision=mixed_precision)
+
+
 def train_loop(
     model: torch.nn.Module,
     loss_fn: Callable[[int, Shard], LossTerms],
@@ -126,14 +139,13 @@ def train_loop(
     """Train the parameters of `model` that require grad. `loss_fn(step, shard)` returns the `LossTerms` of this
     process's rows of global batch `step`; `eval_fn(shard)` returns held-out metrics `name -> (numerator,
     denominator)` over this process's rows. Returns a summary with the curve (global-batch values)."""
-    from accelerate import Accelerator
     from accelerate.utils import DistributedType, gather_object
 
     run_dir = Path(config.run_dir)
     run_dir.mkdir(parents=True, exist_ok=True)
     torch.manual_seed(config.seed)
     on_cpu = next(model.parameters()).device.type == "cpu"
-    accelerator = Accelerator(cpu=on_cpu, mixed_precision=config.mixed_precision)
+    accelerator = new_accelerator(on_cpu, config.mixed_precision)
     unsupported = {DistributedType.FSDP, DistributedType.DEEPSPEED, DistributedType.MEGATRON_LM, DistributedType.XLA}
     if accelerator.distributed_type in unsupported:
         raise ValueError(

@@ -158,6 +158,20 @@ class TargetHead:
         if same_logits(dense, reference, dtype):
             self.weight, self.bias = weight, bias
 
+    @classmethod
+    def of(cls, lm_head, hidden_size: int, device: torch.device, dtype: torch.dtype) -> "TargetHead":
+        """The `TargetHead` of `lm_head`, made once and kept on the module for later `generate()` calls while its
+        tensors stay the same (dequantizing and checking a quantized head costs more than a decoding step)."""
+        if lm_head is None or is_plain_linear(lm_head):  # nothing to keep: a plain head is used as it is
+            return cls(lm_head, hidden_size, device, dtype)
+        tensors = itertools.chain(lm_head.parameters(), lm_head.buffers())
+        key = (hidden_size, str(device), dtype, tuple((id(t), t._version) for t in tensors))
+        kept = getattr(lm_head, "_treeflash_target_head", None)
+        if kept is None or kept[0] != key:
+            kept = (key, cls(lm_head, hidden_size, device, dtype))
+            lm_head._treeflash_target_head = kept  # a plain attribute: not a parameter, never saved
+        return kept[1]
+
     def call(self, hidden: torch.Tensor) -> torch.Tensor:
         """The head module itself on `hidden [..., H]` -> `[..., V]` on the drafter's device. A head that cannot
         take drafter hidden states is an input error (found by the first call, in `__init__`)."""
@@ -222,7 +236,7 @@ class TreeFlashCandidateGenerator(CandidateGenerator):
         self.options = options
         self.input_embeddings = target.get_input_embeddings()
         config = drafter.config
-        self.head = TargetHead(target.get_output_embeddings(), config.hidden_size, drafter.device, drafter.dtype)
+        self.head = TargetHead.of(target.get_output_embeddings(), config.hidden_size, drafter.device, drafter.dtype)
         self.target_layer_ids = list(config.target_layer_ids)
         self.block_size = config.block_size
         self.mask_token_id = config.mask_token_id
