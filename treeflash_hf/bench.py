@@ -401,6 +401,12 @@ def uses_drafter(name: str) -> bool:
     return base in TREE_MODES or base == "auto" or name == "hf_dflash"
 
 
+def with_drafter(methods: list[Method], key: str) -> list[Method]:
+    """`methods`, then again every one that drafts (`uses_drafter`) with the drafter `key` of run_bench's
+    `drafters`."""
+    return methods + [Method(m.name, m.budget, key) for m in methods if uses_drafter(m.name)]
+
+
 def parse_methods(modes: list[str], budgets: list[int]) -> list[Method]:
     methods = []
     for mode in modes:
@@ -449,7 +455,7 @@ def run(args: argparse.Namespace) -> int:
     drafters = {}
     if args.recalibrated:  # the same drafter-based methods again with the recalibrated drafter, side by side
         drafters["recalibrated"] = AutoModel.from_pretrained(args.recalibrated, dtype=target.dtype).eval()
-        methods += [Method(m.name, m.budget, "recalibrated") for m in methods if uses_drafter(m.name)]
+        methods = with_drafter(methods, "recalibrated")
     draft_lm = None
     if any(m.name == "hf_assisted" for m in methods) and args.batch_size == 1:
         if args.draft_lm:

@@ -20,19 +20,17 @@ from pathlib import Path
 import torch
 
 from .arguments import add_pair_argument, positive_int
-from .bench import Method, parse_methods, run_bench, uses_drafter
+from .bench import Method, parse_methods, run_bench, with_drafter
 
 RECALIBRATED = "recalibrated"
 
 
 def shape_stability(target, drafter, tokenizer, prompt: str) -> tuple[bool, float]:
-    """Whether `target` gives the last 4 tokens of `prompt` the same logits one token per forward as inside one
-    tree forward (`verify.logits_alone_and_in_tree`), and the largest difference."""
-    from .verify import logits_alone_and_in_tree, same_logits
+    """TreeFlash's once-per-target check (`verify.forward_shape_difference`) on the last tokens of `prompt`."""
+    from .verify import forward_shape_difference
 
-    tokens = torch.tensor(tokenizer(prompt, add_special_tokens=False)["input_ids"][-4:])
-    alone, in_tree = logits_alone_and_in_tree(target, tokens, list(drafter.config.target_layer_ids), target.device)
-    return same_logits(in_tree, alone, torch.float32), float((in_tree - alone).abs().max())
+    tokens = torch.tensor(tokenizer(prompt, add_special_tokens=False)["input_ids"])
+    return forward_shape_difference(target, tokens, list(drafter.config.target_layer_ids), target.device)
 
 
 def lossless_verdict(stable: bool, difference: float, rows: list[dict]) -> str:
@@ -56,11 +54,9 @@ def measure_spec(base, spec: str, drafter, recalibrated, tokenizer, prompts: lis
 
     target = quantize_target(copy.deepcopy(base), spec)  # a copy: HQQ quantizes in place
     stable, difference = shape_stability(target, drafter, tokenizer, prompts[0])
-    spec_methods = list(methods)
-    drafters = {}
+    spec_methods, drafters = list(methods), {}
     if recalibrated is not None:
-        drafters[RECALIBRATED] = recalibrated
-        spec_methods += [Method(m.name, m.budget, RECALIBRATED) for m in methods if uses_drafter(m.name)]
+        spec_methods, drafters = with_drafter(methods, RECALIBRATED), {RECALIBRATED: recalibrated}
     report = run_bench(target, drafter, None, tokenizer, prompts, spec_methods, args.max_new_tokens, 0.0,
                        args.repeats, progress=False, drafters=drafters, measure_shape_noise=False)
     results = report["results"]

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import statistics
 import time
 from pathlib import Path
@@ -98,7 +99,7 @@ def time_servers(servers: dict, prompts: list[str], max_tokens: int, repeats: in
 def percentile(values: list[float], fraction: float) -> float:
     """The `fraction` quantile of `values` (nearest rank)."""
     ordered = sorted(values)
-    return ordered[min(len(ordered) - 1, max(0, int(round(fraction * len(ordered) + 0.5)) - 1))]
+    return ordered[min(len(ordered) - 1, max(0, math.ceil(fraction * len(ordered)) - 1))]
 
 
 def closed_loop(client, model: str, prompts: list[str], max_tokens: int, clients: int, requests: int) -> dict:

@@ -103,6 +103,14 @@ def logits_alone_and_in_tree(target, tokens: torch.LongTensor, target_layer_ids:
     return torch.stack(alone), in_tree[0, :chain]
 
 
+def forward_shape_difference(target, prompt: torch.LongTensor, target_layer_ids: list[int], device: torch.device
+                             ) -> tuple[bool, float]:
+    """Whether the last (at most 4) tokens of `prompt [S]` get the same logits alone as inside a tree
+    (`logits_alone_and_in_tree`, up to the rounding of the target's dtype), and the largest difference."""
+    alone, in_tree = logits_alone_and_in_tree(target, prompt[-4:], target_layer_ids, device)
+    return same_logits(in_tree, alone, target.dtype), float((in_tree - alone).abs().max())
+
+
 _CHECKED_TARGETS: weakref.WeakSet = weakref.WeakSet()
 
 
@@ -114,14 +122,14 @@ def check_forward_shapes(target, prompt: torch.LongTensor, target_layer_ids: lis
     if target in _CHECKED_TARGETS:
         return
     _CHECKED_TARGETS.add(target)
-    alone, in_tree = logits_alone_and_in_tree(target, prompt[-4:], target_layer_ids, device)
-    if not same_logits(in_tree, alone, target.dtype):
+    stable, difference = forward_shape_difference(target, prompt, target_layer_ids, device)
+    if not stable:
         logger.warning(
             "TreeFlash: this target (quantization: %s) gives a token different logits alone than inside a tree "
             "(by up to %.3g): outputs may differ from this model's own one-token decoding at near-ties; this "
             "backend's kernels make a token's logits depend on the other tokens in the forward. Weight-only "
             "quantization (e.g. torchao Int8WeightOnlyConfig, optimum-quanto, HQQ) does not.",
-            quantization_backend(target), float((in_tree - alone).abs().max()),
+            quantization_backend(target), difference,
         )
 
 
