@@ -31,8 +31,8 @@ LOAD_NOTES = {
     "plain": "plain target, one request at a time (the server's single inference thread)",
     "plain_cb": "plain target, transformers' continuous batching",
     "treeflash": "TreeFlash folder (one request at a time)",
-    "treeflash_cb": "TreeFlash folder with --continuous-batching: decodes with the plain target and says so in its "
-                    "log (TreeFlash inside continuous batching is not built yet)",
+    "treeflash_cb": "TreeFlash folder with --continuous-batching: TreeFlash's continuous-batching manager "
+                    "(requests join and leave the TreeFlash batch between steps)",
 }
 
 

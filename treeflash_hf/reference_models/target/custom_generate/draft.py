@@ -14,7 +14,7 @@ import torch
 from transformers import DynamicCache
 from transformers.generation.candidate_generator import CandidateGenerator
 
-from .cache import repack, select_rows
+from .cache import growing_cache, repack, select_rows
 from .lookup import with_lookup_branch
 from .options import TreeOptions
 from .tree import ChildList, DraftTree, best_first_tree, chain_tree, table_children
@@ -241,7 +241,7 @@ class TreeFlashCandidateGenerator(CandidateGenerator):
         self.block_size = config.block_size
         self.mask_token_id = config.mask_token_id
         self.two_prev_tokens = config.ar_num_prev_tokens == 2
-        self.cache = DynamicCache(config=config)
+        self.cache = growing_cache(DynamicCache(config=config))
         self.key_valid: torch.BoolTensor | None = None  # [R, C] valid drafter-cache slots (None: all valid)
         self.do_sample = do_sample
         self.max_length = max_length
@@ -350,6 +350,26 @@ class TreeFlashCandidateGenerator(CandidateGenerator):
         select_rows(self.cache, rows)
         if self.key_valid is not None:
             self.key_valid = self.key_valid[rows.cpu()]
+
+    def add_rows(self, count: int) -> None:
+        """Continuous batching: `count` new rows join the batch. Their drafter-cache slots are invalid (zeros): their
+        prompts arrive as context with the next draft."""
+        length = self.cache.get_seq_length()
+        if length == 0:
+            return  # nothing cached yet: the next draft brings every row's context
+        rows = int(self.cache.layers[0].keys.shape[0])
+        for layer in self.cache.layers:
+            if layer.keys is not None and layer.keys.numel():
+                shape = (count, *layer.keys.shape[1:])
+                layer.keys = torch.cat([layer.keys, layer.keys.new_zeros(shape)])
+                layer.values = torch.cat([layer.values, layer.values.new_zeros(shape)])
+        old = self.key_valid if self.key_valid is not None else torch.ones(rows, length, dtype=torch.bool)
+        self.key_valid = torch.cat([old, torch.zeros(count, length, dtype=torch.bool)])
+
+    def reset(self) -> None:
+        """Forget every row (the working batch emptied): the next draft starts a fresh drafter cache."""
+        self.cache = growing_cache(DynamicCache(config=self.drafter.config))
+        self.key_valid = None
 
     def repack(self) -> None:
         """Re-pack the drafter cache when invalid slots pile up (see `cache.repack`)."""

@@ -23,18 +23,14 @@ from transformers.generation import GenerationMixin
 from transformers.generation.configuration_utils import GenerationMode
 from transformers.utils import cached_file
 
-from .continuous_batching import (
-    install_continuous_batching_guards,
-    mark_folder_generate,
-    warn_plain_continuous_batching,
-)
+from .continuous_batching import install_continuous_batching_guards, mark_folder_generate
 from .generation import route_generate
 
 BUNDLE_FILE = "treeflash.json"
 DRAFTER_ATTRIBUTE = "_treeflash_drafter"
 TREEFLASH_MODES = (GenerationMode.GREEDY_SEARCH, GenerationMode.SAMPLE)
 _LOADING = threading.Lock()
-install_continuous_batching_guards()  # so that continuous batching on this folder says that TreeFlash is off
+install_continuous_batching_guards()  # so that continuous batching on this folder decodes with TreeFlash
 
 try:  # installed with `transformers[serving]`
     from starlette.exceptions import HTTPException as _HTTPException
@@ -55,18 +51,14 @@ class InvalidGenerateArguments(ValueError, *((_HTTPException,) if _HTTPException
         return self.detail
 
 
-@mark_folder_generate
 def generate(*args, model, assistant_model=None, **kwargs):
     """`model.generate(...)` of a TreeFlash folder (transformers passes `model` by keyword); every argument keeps its
-    meaning. Greedy search and sampling run TreeFlash with the folder's drafter. A caller's own `assistant_model` or
-    `custom_generate`, and modes TreeFlash does not decode (beam search, contrastive search, DoLa, prompt lookup),
-    run exactly as they would on the plain target; so does continuous batching (`cache_implementation="paged"`),
-    after one warning per model that TreeFlash is off there."""
+    meaning. Greedy search and sampling run TreeFlash with the folder's drafter, also under continuous batching
+    (`cache_implementation="paged"`, `generate_batch`, `init_continuous_batching`). A caller's own
+    `assistant_model` or `custom_generate`, and modes TreeFlash does not decode (beam search, contrastive search,
+    DoLa, prompt lookup), run exactly as they would on the plain target."""
     config = requested_config(model, kwargs)
-    paged = config.cache_implementation == "paged"
-    if paged and assistant_model is None:
-        warn_plain_continuous_batching(model)
-    treeflash = config.get_generation_mode() in TREEFLASH_MODES and not paged
+    treeflash = config.get_generation_mode() in TREEFLASH_MODES
     if assistant_model is None and kwargs.get("custom_generate") is None and treeflash:
         assistant_model = folder_drafter(model)
     return route_generate(GenerationMixin.generate, model, *args, assistant_model=assistant_model, **kwargs)
@@ -117,3 +109,6 @@ def drafter_reference(folder: str) -> str:
         raise OSError(f"The drafter recorded in {os.path.join(folder, BUNDLE_FILE)}, {reference!r}, is not a folder "
                       f"(looked for {local}): re-run `treeflash-hf bundle` with the drafter's path or Hub id.")
     return reference  # a Hub id
+
+
+mark_folder_generate(generate, folder_drafter)  # continuous batching on this folder finds its drafter through it

@@ -32,8 +32,7 @@ from transformers.generation.stopping_criteria import (
 from transformers.generation.utils import GenerateDecoderOnlyOutput
 
 from .accept import Acceptance, RowProcessor, greedy_accept, walk_tree
-from .cache import check_cache_supported, compact_cache, repack, select_rows
-from .continuous_batching import install_continuous_batching_guards, refuse_drafter
+from .cache import append_rows, check_cache_supported, compact_cache, growing_cache, repack, select_rows
 from .draft import DraftContext, TreeFlashCandidateGenerator
 from .learned import learned_state
 from .lookup import MAX_NGRAM, MIN_PATH_PROB, expected_accepted, ngram_continuation, useful_length
@@ -103,17 +102,20 @@ class Rows:
     """The working batch: the state of the rows still decoding, in batch order. Rows that finish leave it
     (`leave`), and every batched tensor (caches, masks, pending context) is narrowed with them.
 
-    ids: original row indices; sequences: per row `[1, S + new]` (the padded prompt, then its new tokens); pads:
-    left padding per row; root_tokens: per row the committed token the next step verifies first (not yet run by the
-    target); root_positions: `[R]` its position (the row's own count of real tokens before it); key_valid: `[R, L]`
-    the target-cache slots each row may attend (None: all); pending: the context features the drafter has not seen
-    yet (`DraftContext`), joined with each step's kept positions until the next draft."""
+    ids: row identities (original row indices; under continuous batching, request numbers); sequences: per row
+    `[1, S + new]` (the padded prompt, then its new tokens); pads: left padding per row; limits: per row the longest
+    its sequence may grow (padding included); root_tokens: per row the committed token the next step verifies first
+    (not yet run by the target); root_positions: `[R]` its position (the row's own count of real tokens before it);
+    key_valid: `[R, L]` the target-cache slots each row may attend (None: all); pending: the context features the
+    drafter has not seen yet (`DraftContext`), joined with each step's kept positions until the next draft."""
 
     def __init__(self, input_ids: torch.LongTensor, key_valid: torch.BoolTensor | None,
-                 root_positions: torch.LongTensor, pending: DraftContext):
-        self.ids = list(range(input_ids.shape[0]))
-        self.sequences = [input_ids[row : row + 1] for row in self.ids]
+                 root_positions: torch.LongTensor, pending: DraftContext, limits: list[int],
+                 ids: list[int] | None = None):
+        self.ids = list(range(input_ids.shape[0])) if ids is None else list(ids)
+        self.sequences = [input_ids[row : row + 1] for row in range(input_ids.shape[0])]
         self.pads = [0] * len(self.ids) if key_valid is None else (~key_valid).sum(dim=1).tolist()
+        self.limits = list(limits)
         self.root_tokens: list[int] = []
         self.root_positions = root_positions
         self.key_valid = key_valid
@@ -133,6 +135,7 @@ class Rows:
             self.ids = [self.ids[i] for i in keep]
             self.sequences = [self.sequences[i] for i in keep]
             self.pads = [self.pads[i] for i in keep]
+            self.limits = [self.limits[i] for i in keep]
             self.root_tokens = [self.root_tokens[i] for i in keep]
             self.root_positions = self.root_positions[index]
             self.key_valid = None if self.key_valid is None else self.key_valid[index]
@@ -142,6 +145,25 @@ class Rows:
         elif not keep:
             self.ids = []
         return done
+
+    def join(self, newcomers: list[tuple["Rows", DynamicCache]], cache, generator: TreeFlashCandidateGenerator) -> None:
+        """Continuous batching: append freshly prefilled rows (each `Rows` with its own target cache, roots set) to
+        this batch, between two steps. Both caches get the newcomers' rows (the drafter's as slots none of them may
+        attend: their prompts reach the drafter as pending context with the next draft); the shorter caches are
+        padded with invalid slots. Exact: a row attends only its own valid slots."""
+        if not newcomers:
+            return
+        groups = [(self, cache)] + newcomers
+        self.key_valid = append_rows(cache, self.key_valid, [(new_cache, new.key_valid) for new, new_cache in newcomers])
+        generator.add_rows(sum(len(new) for new, _ in newcomers))
+        self.pending = stack_contexts([rows.pending for rows, _ in groups])
+        for new, _ in newcomers:
+            self.ids += new.ids
+            self.sequences += new.sequences
+            self.pads += new.pads
+            self.limits += new.limits
+            self.root_tokens += new.root_tokens
+        self.root_positions = torch.cat([rows.root_positions for rows, _ in groups])
 
     def commit(self, accepted: list[Acceptance], trees: TreeBatch, hidden_states: tuple, cache, past_len: int,
                generator: TreeFlashCandidateGenerator) -> None:
@@ -194,12 +216,12 @@ def lookup_branches(rows: Rows, lookup_rates, lengths: list[int]):
 
 
 def plan_step(rows: Rows, options: TreeOptions, learned, generator: TreeFlashCandidateGenerator,
-              max_length: int, sync: DecisionSync) -> StepPlan:
+              sync: DecisionSync) -> StepPlan:
     """Stages 1-3 for every row: the lookup branches, the step kind, and (on a draft step) one batched drafter
     forward and each row's tree; under `tree_budget="auto"`, the width every row verifies."""
     auto_budget, schedule = learned.auto_budget, learned.schedule
     num_rows = len(rows)
-    remaining = [max_length - sequence.shape[1] for sequence in rows.sequences]
+    remaining = [limit - sequence.shape[1] for limit, sequence in zip(rows.limits, rows.sequences)]
     budget = options.tree_budget if auto_budget is None else auto_budget.plan(num_rows, share=sync.share_int)
     # the budget counts the root; under "auto" a branch verified alone may fill the largest measured forward
     lookup_cap = budget if auto_budget is None else max(1, auto_budget.max_size // num_rows)
@@ -265,6 +287,80 @@ def learn_from_step(learned, plan: StepPlan, accepted: list[Acceptance], seconds
         learned.auto_budget.observe(plan.trees, [result.path for result in accepted], seconds)
 
 
+@dataclass
+class StepResult:
+    """One verification step of the working batch: its plan, the packed trees, each row's acceptance, the
+    verified logits `[R, N, V]`, the target's hidden states and the cache length before the step."""
+
+    plan: StepPlan
+    trees: TreeBatch
+    accepted: list[Acceptance]
+    logits: torch.Tensor
+    hidden_states: tuple
+    past_len: int
+
+
+@dataclass
+class Decoder:
+    """What every step of one decoding run shares: the target, the drafting side, the options, the state learned
+    across calls, the logits processors and the sampling switch. `treeflash_decode` (a static batch) and continuous
+    batching (`continuous_batching.TreeFlashBatchProcessor`, rows joining and leaving between steps) run the same
+    `prefill` and `step`."""
+
+    target: torch.nn.Module
+    generator: TreeFlashCandidateGenerator
+    options: TreeOptions
+    learned: object
+    process: RowProcessor
+    do_sample: bool
+    sync: DecisionSync
+    device: torch.device  # where the target's inputs and outputs live
+
+    @property
+    def layer_ids(self) -> list[int]:
+        return self.generator.target_layer_ids
+
+    def prefill(self, input_ids: torch.LongTensor, attention_mask: torch.LongTensor | None,
+                position_ids: torch.LongTensor, cache, limits: list[int],
+                ids: list[int] | None = None) -> tuple[Rows, torch.Tensor]:
+        """Run the target on the left-padded prompts `input_ids [B, S]` into the empty `cache`. Returns the working
+        rows (their roots not yet set: the caller chooses the first tokens) and the last position's raw logits
+        `[B, V]` (float32, on `device`)."""
+        key_valid = None if attention_mask is None or bool(attention_mask.all()) else attention_mask.bool().cpu()
+        out = run_target(self.target, input_ids, position_ids, attention_mask, cache, self.layer_ids, logits_to_keep=1)
+        first_prompt = input_ids[0] if key_valid is None else input_ids[0, key_valid[0].to(input_ids.device)]
+        check_forward_shapes(self.target, first_prompt, self.layer_ids, self.device)  # once per target
+        context = DraftContext(self.generator.context_features(out.hidden_states, slice(None)), position_ids.cpu(),
+                               key_valid)
+        rows = Rows(input_ids, key_valid, position_ids[:, -1].cpu() + 1, context, limits, ids)
+        return rows, out.logits[:, -1].float().to(self.device)
+
+    def step(self, rows: Rows, cache) -> StepResult:
+        """Stages 1-5 for every row of the working batch: draft -> build trees -> verify -> accept. The caller emits
+        the accepted tokens and then commits the caches (`rows.commit`)."""
+        started = time.perf_counter()
+        plan = plan_step(rows, self.options, self.learned, self.generator, self.sync)
+        trees = TreeBatch.pack(plan.trees)
+        past_len = cache.get_seq_length()
+        logits, hidden_states = verify_trees(self.target, trees, cache, rows.root_positions, rows.key_valid,
+                                             self.layer_ids, self.device)
+        accepted = accept_all(trees, logits, rows, self.process, self.do_sample, self.sync)
+        learn_from_step(self.learned, plan, accepted, time.perf_counter() - started)
+        return StepResult(plan, trees, accepted, logits, hidden_states, past_len)
+
+    def commit(self, rows: Rows, result: StepResult, cache) -> None:
+        """Stage 6: each row keeps its accepted path in both caches."""
+        rows.commit(result.accepted, result.trees, result.hidden_states, cache, result.past_len, self.generator)
+
+
+def record_step(stats: TreeFlashStats, tree, result: Acceptance, kind: str) -> None:
+    """Append one verification step of one row to its statistics."""
+    stats.accepted_lengths.append(len(result.path))
+    stats.tree_sizes.append(tree.size)
+    stats.expected_accepted_lengths.append(tree.expected_accepted_len)
+    stats.step_kinds.append(kind)
+
+
 @torch.no_grad()
 def treeflash_decode(
     model,
@@ -297,7 +393,7 @@ def treeflash_decode(
     check_inputs(target, input_ids, attention_mask, generation_config, streamer)
     check_pair(target, drafter)
     check_attention_backend(target)
-    cache = cache if cache is not None else DynamicCache(config=target.config)
+    cache = growing_cache(cache if cache is not None else DynamicCache(config=target.config))
     check_cache_supported(cache)
     if cache.get_seq_length() > 0:
         raise TreeFlashInputError("TreeFlash decoding starts from an empty cache: do not pass a pre-filled cache.")
@@ -307,22 +403,19 @@ def treeflash_decode(
     keep_logits = return_dict and bool(generation_config.output_logits)
     sync = DecisionSync(target)
     generator = candidate_generator or TreeFlashCandidateGenerator(drafter, target, options)
-    layer_ids = generator.target_layer_ids
-    device = target.get_input_embeddings().weight.device  # where the target's inputs and outputs live
     batch_size = input_ids.shape[0]
-    learned = learned_state(drafter, target, options, generation_config, sync)  # carried over from earlier calls
-    process = RowProcessor(logits_processor, batch_size)
+    decoder = Decoder(
+        target=target, generator=generator, options=options,
+        learned=learned_state(drafter, target, options, generation_config, sync),  # carried over from earlier calls
+        process=RowProcessor(logits_processor, batch_size), do_sample=do_sample, sync=sync,
+        device=target.get_input_embeddings().weight.device,
+    )
 
     # Prefill: the target runs on the (left-padded) prompts; its next tokens are the first roots.
-    key_valid = None if attention_mask is None or bool(attention_mask.all()) else attention_mask.bool().cpu()
     if position_ids is None:
         position_ids = torch.arange(input_ids.shape[1], device=input_ids.device).expand(batch_size, -1)
-    out = run_target(target, input_ids, position_ids, attention_mask, cache, layer_ids, logits_to_keep=1)
-    first_prompt = input_ids[0] if key_valid is None else input_ids[0, key_valid[0].to(input_ids.device)]
-    check_forward_shapes(target, first_prompt, layer_ids, device)  # once per target
-    context = DraftContext(generator.context_features(out.hidden_states, slice(None)), position_ids.cpu(), key_valid)
-    rows = Rows(input_ids, key_valid, position_ids[:, -1].cpu() + 1, context)
-    raw = out.logits[:, -1].float().to(device)  # [B, V]
+    rows, raw = decoder.prefill(input_ids, attention_mask, position_ids, cache,
+                                [generation_config.max_length] * batch_size)
     processed = logits_processor(input_ids, raw.clone()) if len(logits_processor) else raw
     if do_sample:
         first_tokens = sync.share_ints(torch.multinomial(torch.softmax(processed, dim=-1), 1)[:, 0].tolist())
@@ -352,29 +445,17 @@ def treeflash_decode(
         results.update(rows.leave(finished, cache, generator))
         if not len(rows):
             break
-        # draft -> build trees -> verify -> accept
-        started = time.perf_counter()
-        plan = plan_step(rows, options, learned, generator, generation_config.max_length, sync)
-        trees = TreeBatch.pack(plan.trees)
-        past_len = cache.get_seq_length()
-        logits, hidden_states = verify_trees(target, trees, cache, rows.root_positions, rows.key_valid, layer_ids,
-                                             device)
-        accepted = accept_all(trees, logits, rows, process, do_sample, sync)
-        learn_from_step(learned, plan, accepted, time.perf_counter() - started)
+        step = decoder.step(rows, cache)
         # emit each row's tokens (stopping token by token), then commit what the unfinished rows keep
         finished = [False] * len(rows)
-        for row, (tree, result) in enumerate(zip(plan.trees, accepted)):
-            row_stats = stats[rows.ids[row]]
-            row_stats.accepted_lengths.append(len(result.path))
-            row_stats.tree_sizes.append(tree.size)
-            row_stats.expected_accepted_lengths.append(tree.expected_accepted_len)
-            row_stats.step_kinds.append(plan.kind)
+        for row, (tree, result) in enumerate(zip(step.plan.trees, step.accepted)):
+            record_step(stats[rows.ids[row]], tree, result, step.plan.kind)
             for token, token_scores, node in zip(result.tokens, result.scores, result.visited):
-                if emit(row, token, token_scores, logits[row, node : node + 1]):
+                if emit(row, token, token_scores, step.logits[row, node : node + 1]):
                     finished[row] = True
                     break
         if not all(finished):
-            rows.commit(accepted, trees, hidden_states, cache, past_len, generator)
+            decoder.commit(rows, step, cache)
 
     if streamer is not None:
         streamer.end()
@@ -400,17 +481,33 @@ def treeflash_decode(
     )
 
 
+def context_valid(context: DraftContext) -> torch.BoolTensor:
+    """`[R, C]`: which of the context's entries are real (its `valid`, or all)."""
+    if context.valid is not None:
+        return context.valid
+    return torch.ones(context.positions.shape, dtype=torch.bool)
+
+
 def join_contexts(first: DraftContext, second: DraftContext) -> DraftContext:
     """Context features of `first`'s positions followed by `second`'s, per row (validity kept)."""
-    def valid(context: DraftContext) -> torch.BoolTensor:
-        if context.valid is not None:
-            return context.valid
-        return torch.ones(context.positions.shape, dtype=torch.bool)
-
     both_valid = first.valid is None and second.valid is None
     return DraftContext(torch.cat([first.features, second.features], dim=1),
                         torch.cat([first.positions, second.positions], dim=1),
-                        None if both_valid else torch.cat([valid(first), valid(second)], dim=1))
+                        None if both_valid else torch.cat([context_valid(first), context_valid(second)], dim=1))
+
+
+def stack_contexts(contexts: list[DraftContext]) -> DraftContext:
+    """The rows of every context, one after the other; shorter ones padded with invalid entries. (Between steps
+    every row has pending context: at least the slots its last step kept.)"""
+    width = max(context.positions.shape[1] for context in contexts)
+    features, positions, valid = [], [], []
+    for context in contexts:
+        pad = width - context.positions.shape[1]
+        features.append(torch.nn.functional.pad(context.features, (0, 0, 0, pad)))
+        positions.append(torch.nn.functional.pad(context.positions, (0, pad)))
+        valid.append(torch.nn.functional.pad(context_valid(context), (0, pad), value=False))
+    all_valid = torch.cat(valid)
+    return DraftContext(torch.cat(features), torch.cat(positions), None if bool(all_valid.all()) else all_valid)
 
 
 def positionwise(per_row: list[list[torch.Tensor]], length: int) -> tuple[torch.Tensor, ...]:
@@ -518,8 +615,8 @@ def route_generate(stock_generate, model, *args, assistant_model=None, **kwargs)
     """Run `stock_generate` (transformers' `generate`), handing decoding to TreeFlash when `assistant_model` is a
     TreeFlash drafter (unless `speculation_type="dflash"` asks for transformers' own linear DFlash loop).
     Extra keyword arguments `tree_mode`, `tree_budget`, `tree_top_m`, `tree_top_k` override the drafter's
-    `generation_config`. A TreeFlash drafter with `cache_implementation="paged"` (an argument or the generation
-    config's) raises `TreeFlashInputError`: TreeFlash does not run inside continuous batching yet. Shared by the
+    `generation_config`. With `cache_implementation="paged"` (an argument or the generation config's) it runs
+    transformers' continuous batching with TreeFlash's manager (`continuous_batching.paged_generate`). Shared by the
     installed hook and the Hub repo's `custom_generate/generate.py`."""
     tree_overrides = {name: kwargs.pop(name) for name in OPTION_NAMES if name in kwargs}
     if not is_treeflash_drafter(assistant_model) or _wants_stock_dflash(model, kwargs):
@@ -531,7 +628,12 @@ def route_generate(stock_generate, model, *args, assistant_model=None, **kwargs)
         return stock_generate(model, *args, assistant_model=assistant_model, **kwargs)
     config = kwargs.get("generation_config") or model.generation_config
     if (kwargs.get("cache_implementation") or config.cache_implementation) == "paged":
-        refuse_drafter("cache_implementation='paged'")  # else the drafter would be dropped, or paged ignored
+        from .continuous_batching import paged_generate  # (it imports this module)
+
+        if tree_overrides:
+            raise TypeError(f"{sorted(tree_overrides)} do not apply to continuous batching "
+                            "(cache_implementation='paged'): it decodes with the drafter's own tree options.")
+        return paged_generate(stock_generate, model, args, kwargs, assistant_model)
     if kwargs.get("custom_generate") is not None:
         raise TypeError("`custom_generate` cannot be combined with a TreeFlash drafter as `assistant_model`.")
     kwargs.pop("custom_generate", None)
@@ -584,5 +686,7 @@ def generate(self, *args, assistant_model=None, **kwargs):
 def install_generate_hook() -> None:
     """Route `generate(assistant_model=<TreeFlash drafter>)` to TreeFlash decoding, and refuse a TreeFlash drafter
     where continuous batching would drop it (idempotent)."""
+    from .continuous_batching import install_continuous_batching_guards  # (it imports this module)
+
     GenerationMixin.generate = generate
     install_continuous_batching_guards()
