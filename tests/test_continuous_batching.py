@@ -5,6 +5,7 @@ sampled requests keep the target's distribution; a cancelled request leaves both
 (an untested transformers version), continuous batching says so and decodes plain."""
 
 import logging
+import os
 import time
 
 import pytest
@@ -22,6 +23,7 @@ from treeflash_hf.validation import TreeFlashInputError
 from .conftest import randomise_ar_layer
 from .test_lossless_sampling import TEMPERATURE, TOP_P, chi_square_p, exact_joint
 from .test_serving import FOLDER, MAX_TOKENS, PROMPTS, complete, expected  # noqa: F401  (a fixture)
+from .test_serving_chat import drafter_code_loaded
 
 OFF_WARNING = "TreeFlash is off for continuous batching"
 SMALL_CACHE = ContinuousBatchingConfig(num_blocks=8, max_batch_tokens=256)  # stock CB: not 60% of free RAM
@@ -134,6 +136,9 @@ def test_a_request_longer_than_the_model_allows_gets_a_clear_error(plain, drafte
     assert "positions" in result.error and "max_new_tokens" in result.error
     with pytest.raises(TreeFlashInputError, match="TreeFlash drafter"):
         plain.generate_batch([[1, 2, 3]], assistant_model=plain, max_new_tokens=4)
+    with pytest.raises(TreeFlashInputError, match="log-probabilities"):
+        plain.init_continuous_batching(generation_config=config, assistant_model=drafter,
+                                       continuous_batching_config=ContinuousBatchingConfig(return_logprobs=True))
 
 
 def test_sampled_requests_keep_the_targets_distribution():
@@ -195,9 +200,13 @@ def test_outside_the_tested_transformers_range_it_warns_and_decodes_plain(plain,
 
 
 def test_serve_with_continuous_batching_on_a_folder_runs_treeflash(tmp_path, expected):  # noqa: F811
-    log_path = tmp_path / "serve.log"
+    """Texts of offline greedy decoding, and TreeFlash decoded them: the drafter (remote code and all) is loaded by
+    the first request, which only TreeFlash's continuous-batching manager does."""
+    log_path, modules_cache = tmp_path / "serve.log", tmp_path / "hf_modules"
+    env = {**os.environ, "HF_MODULES_CACHE": str(modules_cache)}
     with running_server(FOLDER, trust_remote_code=True, dtype="float32", device="cpu", startup_timeout_s=180,
-                        log_path=log_path, extra_args=["--continuous-batching"]) as server:
+                        log_path=log_path, env=env, extra_args=["--continuous-batching"]) as server:
         for prompt in PROMPTS:
             assert complete(server, prompt) == expected[prompt]
     assert OFF_WARNING not in log_path.read_text(), log_path.read_text()[-3000:]
+    assert drafter_code_loaded(modules_cache, reference.BUNDLED_DIR / "drafter"), log_path.read_text()[-3000:]

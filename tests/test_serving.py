@@ -121,10 +121,14 @@ def test_the_load_test_runs_closed_loops_of_clients(server, expected):
     assert percentile([4.0, 1.0, 3.0, 2.0], 0.5) == 2.0 and percentile([1.0, 2.0, 3.0], 0.9) == 3.0
     report = {"prompts": 2, "max_tokens": MAX_TOKENS, "dtype": "float32", "concurrency": [1, 2],
               "treeflash_cb_warned_plain": True,
-              "levels": {name: [{**level, "tokens_per_s": rate, "identical_texts": rate != 3.0} for rate in rates]
-                         for name, rates in (("plain_cb", (2.0, 4.0)), ("treeflash", (3.0, 4.0)))}}
+              "levels": {name: [{**level, "tokens_per_s": rate, "identical_texts": rate not in (3.0, 5.0),
+                                 "divergences": [{"near_tie": rate == 5.0}] if rate in (3.0, 5.0) else []}
+                                for rate in rates]
+                         for name, rates in (("plain_cb", (2.0, 4.0)), ("treeflash_cb", (3.0, 5.0)))}}
     table = format_load_table(report)
-    assert "1: 1.50x, 2: 1.00x" in table and "3.0 (texts differ)" in table and "runs plain: yes" in table
+    assert "1: 1.50x tokens/s, 1.00x TTFT, 2: 1.25x tokens/s" in table, table
+    assert "3.0 (NOT identical: 1 beyond a near-tie)" in table and "5.0 (1 near-tie)" in table
+    assert "runs plain: yes" in table
 
 
 def test_serve_bench_shows_where_texts_diverge(expected):

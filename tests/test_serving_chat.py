@@ -1,7 +1,7 @@
 """End to end on the real pair: `transformers serve` on the SmolLM2 TreeFlash folder (fp32, CPU, loopback), streamed
 chat completions through the `openai` client. Every reply must be the text of offline greedy generation by the plain
 target on the prompt serve renders (the folder's chat template with the generation prompt), and the server must have
-decoded it with TreeFlash.
+decoded it with TreeFlash; served with `generate()` per request and with `--continuous-batching`.
 
 How serve answers a chat (transformers/cli/serving/chat_completion.py): each message's content is collapsed to one
 string, the processor loaded with `AutoProcessor.from_pretrained(folder)` (here the tokenizer) renders them with
@@ -63,19 +63,27 @@ def expected(pair) -> list[dict]:
     return replies
 
 
+@pytest.fixture(scope="module", params=["generate", "continuous-batching"])
+def serving_mode(request) -> str:
+    """How the server decodes: `generate()` on one inference thread, or `--continuous-batching` (TreeFlash's
+    continuous-batching manager)."""
+    return request.param
+
+
 @pytest.fixture(scope="module")
-def modules_cache(tmp_path_factory) -> Path:
+def modules_cache(tmp_path_factory, serving_mode) -> Path:
     """The server's own dynamic-module cache (`HF_MODULES_CACHE`), empty at startup."""
-    return tmp_path_factory.mktemp("hf_modules")
+    return tmp_path_factory.mktemp(f"hf_modules_{serving_mode}")
 
 
 @pytest.fixture(scope="module")
-def server(pair, modules_cache, tmp_path_factory) -> Iterator[ServerProcess]:
+def server(pair, modules_cache, serving_mode, tmp_path_factory) -> Iterator[ServerProcess]:
     """The pair's TreeFlash folder served in fp32 with its remote code, its log kept for the assertions."""
     log_path = tmp_path_factory.mktemp("serve") / "serve.log"
     env = {**os.environ, "HF_MODULES_CACHE": str(modules_cache)}
+    extra = ["--continuous-batching"] if serving_mode == "continuous-batching" else []
     with running_server(pair[0], trust_remote_code=True, dtype="float32", device="cpu", startup_timeout_s=180,
-                        env=env, log_path=log_path) as running:
+                        env=env, log_path=log_path, extra_args=extra) as running:
         yield running
 
 
@@ -104,4 +112,5 @@ def test_streamed_chats_are_offline_greedy_replies_decoded_by_treeflash(server, 
                                                                             reply["completion_tokens"])
         assert last.choices[0].finish_reason == ("length" if reply["completion_tokens"] == MAX_TOKENS else "stop")
     assert drafter_code_loaded(modules_cache, drafter_dir), server.log_tail()
-    assert "Traceback" not in server.log_path.read_text(), server.log_tail()
+    log = server.log_path.read_text()
+    assert "Traceback" not in log and "TreeFlash is off" not in log, server.log_tail()

@@ -96,6 +96,39 @@ def summarize_seeds(per_seed: list[dict]) -> dict:
             for key in per_seed[0] if key != "seed"}
 
 
+def plot_ablation(rows: dict, budgets: list[int], seeds: list[int], out_dir: Path) -> Path:
+    """τ at each budget and held-out KL of the AR distribution per variant: means over seeds, min-max whiskers."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    out_dir.mkdir(parents=True, exist_ok=True)
+    names = list(rows)
+    fig, (tau_ax, kl_ax) = plt.subplots(1, 2, figsize=(11, 4))
+    width = 0.8 / len(budgets)
+    for index, budget in enumerate(budgets):
+        cells = [rows[name]["summary"][f"tau_{budget}"] for name in names]
+        means = [cell["mean"] for cell in cells]
+        spread = [[cell["mean"] - cell["min"] for cell in cells], [cell["max"] - cell["mean"] for cell in cells]]
+        tau_ax.bar([i + (index - (len(budgets) - 1) / 2) * width for i in range(len(names))], means, width,
+                   yerr=spread, capsize=3, label=f"budget {budget}")
+    kl = [rows[name]["summary"]["heldout_kl_ar"] for name in names]
+    kl_ax.bar(range(len(names)), [cell["mean"] for cell in kl],
+              yerr=[[c["mean"] - c["min"] for c in kl], [c["max"] - c["mean"] for c in kl]], capsize=3)
+    for ax, label in ((tau_ax, "τ (treeflash, drafter alone)"), (kl_ax, "held-out KL, AR distribution")):
+        ax.set_xticks(range(len(names)), names, rotation=20)
+        ax.set_ylabel(label)
+        ax.grid(alpha=0.3, axis="y")
+    tau_ax.legend(fontsize=8)
+    fig.suptitle(f"AR-layer ablations (mean over seeds {seeds}, min-max)")
+    fig.tight_layout()
+    path = out_dir / "ablation.png"
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+    return path
+
+
 def run(args: argparse.Namespace) -> int:
     from . import reference
     from .prompt_sets import load_prompts
@@ -140,6 +173,8 @@ def run(args: argparse.Namespace) -> int:
         Path(args.json).write_text(json.dumps({"pair": args.models or args.pair, "steps": args.steps,
                                                "seeds": args.seeds, "budgets": args.budgets, "prompts": prompt_set,
                                                "variants": rows}, indent=2))
+    if args.plot:
+        print(f"wrote {plot_ablation(rows, args.budgets, args.seeds, Path(args.plot))}")
     return 0
 
 
@@ -161,4 +196,5 @@ def add_parser(subparsers) -> None:
     parser.add_argument("--max-new-tokens", type=positive_int, default=64)
     parser.add_argument("--threads", type=positive_int, default=2)
     parser.add_argument("--json")
+    parser.add_argument("--plot", help="write ablation.png here")
     parser.set_defaults(func=run)

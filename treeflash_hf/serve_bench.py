@@ -10,11 +10,14 @@ time to the first chunk with text, tokens/s counts the completion tokens the ser
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import math
 import statistics
 import time
 from pathlib import Path
+
+import torch
 
 from .arguments import add_pair_argument, positive_int
 from .serving import running_server
@@ -122,34 +125,63 @@ def closed_loop(client, model: str, prompts: list[str], max_tokens: int, clients
 
 def run_load_bench(folder: Path, prompts: list[str], max_tokens: int, concurrency: list[int], requests: int,
                    dtype: str, device: str, servers: list[str]) -> dict:
-    """Each server of `servers` (`LOAD_SERVERS`) in turn: started, warmed up, then `closed_loop` at every level of
-    `concurrency` with `max(requests, 2 * clients)` requests. Texts are compared with the first server's."""
+    """Every server of `servers` (`LOAD_SERVERS`) started and warmed up; then, level by level of `concurrency`, each
+    server in turn runs `closed_loop` with `max(requests, 2 * clients)` requests. Afterwards every text is compared
+    with offline greedy decoding of its prompt alone (the plain target's `generate()` in `dtype`), each divergence
+    classified as a near-tie of the target or not (`text_divergences`)."""
     import openai
 
-    levels: dict[str, list[dict]] = {}
-    reference: dict[int, str] = {}
-    warned_plain = None  # whether the TreeFlash folder under continuous batching said that it runs plain
-    for name in servers:
-        trust, extra = LOAD_SERVERS[name]
-        with running_server(folder, trust_remote_code=trust, dtype=dtype, device=device, extra_args=extra) as server:
+    levels: dict[str, list[dict]] = {name: [] for name in servers}
+    texts_by_level: dict[str, list[dict[int, str]]] = {name: [] for name in servers}
+    with contextlib.ExitStack() as stack:
+        clients_of = {}
+        for name in servers:  # all up at once (an idle server waits on an event), so levels interleave
+            trust, extra = LOAD_SERVERS[name]
+            server = stack.enter_context(running_server(folder, trust_remote_code=trust, dtype=dtype, device=device,
+                                                        extra_args=extra))
             client = openai.OpenAI(base_url=f"{server.base_url}/v1", api_key="unused", max_retries=0, timeout=1800.0)
             stream_completion(client, server.model, prompts[0], max_tokens=min(8, max_tokens))  # one-time costs
-            levels[name] = []
-            for clients in concurrency:
+            clients_of[name] = (client, server)
+        for step, clients in enumerate(concurrency):
+            # the servers take turns, in alternating order, so that drift of the machine hits them alike
+            for name in servers if step % 2 == 0 else servers[::-1]:
+                client, server = clients_of[name]
                 level = closed_loop(client, server.model, prompts, max_tokens, clients, max(requests, 2 * clients))
-                texts = level.pop("texts")
-                for index, text in texts.items():
-                    reference.setdefault(index, text)
-                level["identical_texts"] = all(reference[index] == text for index, text in texts.items())
+                texts_by_level[name].append(level.pop("texts"))
                 levels[name].append(level)
                 print(f"{name:13s} {clients:3d} clients: {level['tokens_per_s']:6.1f} tok/s, first token "
                       f"{level['first_token_ms_median']:.0f} ms (p90 {level['first_token_ms_p90']:.0f})", flush=True)
-            if name == "treeflash_cb":
-                warned_plain = "TreeFlash is off for continuous batching" in server.log_tail(200_000)
+        warned_plain = None  # whether the TreeFlash folder under continuous batching said that it runs plain
+        if "treeflash_cb" in clients_of:
+            warned_plain = "TreeFlash is off for continuous batching" in clients_of["treeflash_cb"][1].log_tail(200_000)
+    offline = compare_with_offline(folder, prompts, max_tokens, dtype, levels, texts_by_level)
     return {"folder": str(folder), "dtype": dtype, "device": device, "max_tokens": max_tokens,
             "prompts": len(prompts), "concurrency": concurrency, "levels": levels, "treeflash_cb_warned_plain":
-            warned_plain,
-            "reference_texts": {str(k): v for k, v in sorted(reference.items())}}
+            warned_plain, "offline_texts": {str(k): v for k, v in sorted(offline.items())}}
+
+
+def compare_with_offline(folder: Path, prompts: list[str], max_tokens: int, dtype: str, levels: dict,
+                         texts_by_level: dict) -> dict[int, str]:
+    """Offline greedy text of every prompt that was served; sets each level's `identical_texts` and `divergences`
+    (in place). Returns the offline texts by prompt index."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(folder)
+    target = AutoModelForCausalLM.from_pretrained(folder, dtype=dtype).eval()
+    served = sorted({index for server in texts_by_level.values() for texts in server for index in texts})
+    offline = {}
+    for index in served:
+        inputs = tokenizer(prompts[index], return_tensors="pt").to(target.device)
+        with torch.no_grad():
+            new = target.generate(**inputs, max_new_tokens=max_tokens, do_sample=False)[0, inputs["input_ids"].shape[1]:]
+        offline[index] = tokenizer.decode(new, skip_special_tokens=True)
+    for name, server in texts_by_level.items():
+        for level, texts in zip(levels[name], server):
+            indices = sorted(texts)
+            level["identical_texts"] = all(texts[i] == offline[i] for i in indices)
+            level["divergences"] = text_divergences(target, tokenizer, [prompts[i] for i in indices],
+                                                    [offline[i] for i in indices], [texts[i] for i in indices])
+    return offline
 
 
 def format_load_table(report: dict) -> str:
@@ -160,22 +192,60 @@ def format_load_table(report: dict) -> str:
         cells = []
         for name in names:
             level = report["levels"][name][index]
-            same = "" if level["identical_texts"] else " (texts differ)"
+            divergences = level.get("divergences", [])
+            if level["identical_texts"]:
+                same = ""
+            elif all(d["near_tie"] for d in divergences):
+                same = f" ({len(divergences)} near-tie)"
+            else:
+                same = f" (NOT identical: {sum(not d['near_tie'] for d in divergences)} beyond a near-tie)"
             cells.append(f"{level['tokens_per_s']:.1f}{same} | {level['first_token_ms_median']:.0f} "
                          f"({level['first_token_ms_p90']:.0f})")
         rows.append(f"| {clients} | " + " | ".join(cells) + " |")
-    if "plain_cb" in names and "treeflash" in names:
-        levels = report["levels"]
-        ratios = ", ".join(f"{clients}: {fast['tokens_per_s'] / plain['tokens_per_s']:.2f}x" for clients, fast, plain
-                           in zip(report["concurrency"], levels["treeflash"], levels["plain_cb"]))
-        rows.append(f"\nTreeFlash folder / plain continuous batching, tokens/s by clients: {ratios}")
+    levels = report["levels"]
+    for name in ("treeflash", "treeflash_cb"):
+        if "plain_cb" in names and name in names:
+            ratios = ", ".join(f"{clients}: {fast['tokens_per_s'] / plain['tokens_per_s']:.2f}x tokens/s, "
+                               f"{fast['first_token_ms_median'] / plain['first_token_ms_median']:.2f}x TTFT"
+                               for clients, fast, plain in zip(report["concurrency"], levels[name], levels["plain_cb"]))
+            rows.append(f"\n{name} / plain_cb by clients: {ratios}")
     rows.extend(f"- {name}: {LOAD_NOTES[name]}" for name in names)
     if report.get("treeflash_cb_warned_plain") is not None:
-        warned = "yes" if report["treeflash_cb_warned_plain"] else "NO"
+        warned = "yes (TreeFlash was off)" if report["treeflash_cb_warned_plain"] else "no"
         rows.append(f"- treeflash_cb logged that it runs plain: {warned}")
     rows.append(f"({report['prompts']} prompts, {report['max_tokens']} tokens max, {report['dtype']}, closed loop: "
-                "each client sends its next request when its last one finished)")
+                "each client sends its next request when its last one finished; texts compared with offline greedy "
+                "decoding of each prompt alone: a divergence where the target's top-2 logits are within its dtype's "
+                "tie tolerance is a near-tie)")
     return "\n".join(rows)
+
+
+def plot_load(report: dict, out_dir: Path) -> Path:
+    """Output tokens/s and median first-token latency by number of clients, one line per server."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    out_dir.mkdir(parents=True, exist_ok=True)
+    fig, (rate_ax, ttft_ax) = plt.subplots(1, 2, figsize=(10, 4))
+    clients = report["concurrency"]
+    for name, levels in report["levels"].items():
+        rate_ax.plot(clients, [level["tokens_per_s"] for level in levels], marker="o", label=name)
+        ttft_ax.plot(clients, [level["first_token_ms_median"] for level in levels], marker="o", label=name)
+    for ax, label in ((rate_ax, "output tokens/s"), (ttft_ax, "time to first token, median (ms)")):
+        ax.set_xscale("log", base=2)
+        ax.set_xticks(clients, [str(c) for c in clients])
+        ax.set_xlabel("concurrent clients")
+        ax.set_ylabel(label)
+        ax.grid(alpha=0.3)
+        ax.legend(fontsize=8)
+    fig.suptitle(f"transformers serve under load ({report['dtype']}, {report['max_tokens']} tokens)")
+    fig.tight_layout()
+    path = out_dir / "serve_load.png"
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+    return path
 
 
 def text_divergences(target, tokenizer, prompts: list[str], plain_texts: list[str], fast_texts: list[str]
@@ -254,6 +324,8 @@ def run(args: argparse.Namespace) -> int:
         report = run_load_bench(folder, prompts, args.max_tokens, args.concurrency, args.requests, args.dtype,
                                 args.device, args.servers)
         print(format_load_table(report))
+        if args.plot:
+            print(f"wrote {plot_load(report, Path(args.plot))}")
     else:
         report = run_serve_bench(folder, prompts, args.max_tokens, args.repeats, args.dtype, args.device)
         print(format_table(report))
@@ -283,4 +355,5 @@ def add_parser(subparsers) -> None:
     parser.add_argument("--servers", nargs="+", choices=list(LOAD_SERVERS), default=list(LOAD_SERVERS),
                         help="the load test's servers (default all)")
     parser.add_argument("--json", help="write the report here")
+    parser.add_argument("--plot", help="the load test: write serve_load.png (tokens/s and TTFT by clients) here")
     parser.set_defaults(func=run)

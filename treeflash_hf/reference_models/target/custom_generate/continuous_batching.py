@@ -26,6 +26,7 @@ import contextvars
 import functools
 import logging
 import queue
+import time
 from collections import OrderedDict
 from typing import Callable
 
@@ -57,6 +58,10 @@ FOLDER_DRAFTER = "_treeflash_folder_drafter"  # on it too: the function that loa
 WARNED_ATTRIBUTE = "_treeflash_plain_cb_warned"  # on a model, once it has warned that TreeFlash is off
 GUARD_MARK = "_treeflash_guard"  # on ContinuousMixin's methods, once wrapped (by any copy of this module)
 DEFAULT_MAX_REQUESTS = 32  # requests decoding at once when the continuous-batching config sets no limit
+# While others decode, a request waits up to this long after its arrival for more arrivals to be prefilled with it:
+# a prefill forward costs about what a decode step does, whatever its few prompts (closed-loop clients whose
+# requests finished in the same step send their next ones within milliseconds of each other).
+PREFILL_GATHER_S = 0.015
 
 # The drafter a `generate_batch` / `continuous_batching_context_manager` call was given, for the
 # `init_continuous_batching` it makes (stock signatures have no place for it).
@@ -227,15 +232,29 @@ class TreeFlashBatchProcessor:
             return False
         if status.is_pause_requested():
             status.pause_and_wait()
+        self.take_new_requests()
+        for request_id in drain(self.cancel_queue):
+            self.cancel(request_id)
+        return self.has_pending_requests()
+
+    def take_new_requests(self) -> None:
         for state in drain(self.input_queue):
             error = self.request_error(state)
             if error is not None:
                 self._handle_request_error(TreeFlashInputError(error), state)
             else:
                 self.waiting[state.request_id] = state
-        for request_id in drain(self.cancel_queue):
-            self.cancel(request_id)
-        return self.has_pending_requests()
+
+    def gather_arrivals(self) -> None:
+        """While requests decode, let the newest waiting request wait until it is `PREFILL_GATHER_S` old, then
+        take what arrived meanwhile: one prefill forward for all of them instead of one each."""
+        if self.rows is None or not self.waiting:
+            return
+        newest = max(state.created_time for state in self.waiting.values())
+        delay = PREFILL_GATHER_S - (time.perf_counter() - newest)
+        if delay > 0:
+            time.sleep(delay)
+            self.take_new_requests()
 
     def cancel(self, request_id: str) -> None:
         """Drop a request: waiting, or decoding (its rows leave both caches)."""
@@ -280,6 +299,7 @@ class TreeFlashBatchProcessor:
         """Prefill the waiting requests the batch has room for, in one left-padded forward; their first tokens go
         out at once, and the requests that go on join the working batch."""
         decoder = self.ensure_decoder()
+        self.gather_arrivals()
         room = self.max_requests - (len(self.rows) if self.rows is not None else 0)
         states = [self.waiting.popitem(last=False)[1] for _ in range(min(room, len(self.waiting)))]
         if not states:
@@ -388,6 +408,10 @@ class TreeFlashContinuousBatchingManager(ContinuousBatchingManager):
             raise TreeFlashInputError(
                 f"num_return_sequences={num_return_sequences}: TreeFlash's continuous batching returns one sequence "
                 "per request; send the prompt several times (with do_sample=True) instead.")
+        if getattr(continuous_batching_config, "return_logprobs", False):
+            raise TreeFlashInputError(
+                "return_logprobs=True: TreeFlash's continuous batching does not return log-probabilities yet; drop "
+                "it from the ContinuousBatchingConfig (or drop the drafter for plain continuous batching).")
         self.drafter = drafter
         self.tree_options = TreeOptions.resolve(drafter, {})
         super().__init__(model, generation_config, continuous_batching_config, workload_hints)
