@@ -109,7 +109,8 @@ def select_rows(cache, rows: torch.LongTensor) -> None:
             layer.keys, layer.values = layer.keys[index], layer.values[index]
 
 
-def _valid_or_all(key_valid: torch.BoolTensor | None, rows: int, length: int) -> torch.BoolTensor:
+def valid_or_all(key_valid: torch.BoolTensor | None, rows: int, length: int) -> torch.BoolTensor:
+    """`key_valid [R, L]`, or all-true `[rows, length]` where it is None (every slot valid)."""
     return key_valid if key_valid is not None else torch.ones(rows, length, dtype=torch.bool)
 
 
@@ -121,7 +122,7 @@ def append_rows(cache, key_valid: torch.BoolTensor | None, others: list[tuple]) 
     lengths = [group.get_seq_length() for group, _ in groups]
     length = max(lengths)
     valid = torch.cat([
-        torch.nn.functional.pad(_valid_or_all(group_valid, int(group.layers[0].keys.shape[0]), group_length),
+        torch.nn.functional.pad(valid_or_all(group_valid, int(group.layers[0].keys.shape[0]), group_length),
                                 (0, length - group_length), value=False)
         for (group, group_valid), group_length in zip(groups, lengths)
     ])

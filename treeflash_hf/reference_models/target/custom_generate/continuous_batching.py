@@ -33,7 +33,7 @@ from typing import Callable
 import torch
 import transformers
 from packaging.version import Version
-from transformers import DynamicCache
+from transformers import ContinuousBatchingConfig, DynamicCache
 from transformers.generation.continuous_batching.continuous_api import (
     BackgroundThreadStatus,
     ContinuousBatchingManager,
@@ -314,8 +314,8 @@ class TreeFlashBatchProcessor:
         position_ids = (attention_mask.cumsum(-1) - 1).clamp(min=0)
         row_ids = list(range(self.next_row_id, self.next_row_id + len(states)))
         self.next_row_id += len(states)
-        limits = [len(state.initial_tokens) + (state.max_new_tokens if state.max_new_tokens is not None
-                                                else (self.max_positions or 2**31) - len(state.initial_tokens))
+        no_limit = self.max_positions or 2**31  # max_new_tokens=None: up to the model's positions
+        limits = [no_limit if state.max_new_tokens is None else len(state.initial_tokens) + state.max_new_tokens
                   for state in states]
         for state in states:
             state.status = RequestStatus.PREFILLING
@@ -468,8 +468,6 @@ def _init_continuous_batching(stock_init: Callable, model, *args, **kwargs):
         generation_config.eos_token_id = -1  # as stock: no EOS
     cb_config = settings.get("continuous_batching_config")
     if cb_config is None:
-        from transformers import ContinuousBatchingConfig
-
         cb_config = getattr(generation_config, "continuous_batching_config", None) or ContinuousBatchingConfig()
     return TreeFlashContinuousBatchingManager(model, drafter, generation_config, cb_config,
                                               settings.get("workload_hints"))

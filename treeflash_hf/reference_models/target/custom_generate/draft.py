@@ -14,7 +14,7 @@ import torch
 from transformers import DynamicCache
 from transformers.generation.candidate_generator import CandidateGenerator
 
-from .cache import growing_cache, repack, select_rows
+from .cache import growing_cache, repack, select_rows, valid_or_all
 from .lookup import with_lookup_branch
 from .options import TreeOptions
 from .tree import ChildList, DraftTree, best_first_tree, chain_tree, table_children
@@ -306,9 +306,8 @@ class TreeFlashCandidateGenerator(CandidateGenerator):
             attention_mask = None  # every key valid: no mask
         else:
             num_context = context.features.shape[1]
-            old = self.key_valid if self.key_valid is not None else torch.ones(rows, self.cache.get_seq_length(),
-                                                                               dtype=torch.bool)
-            new = new_valid if new_valid is not None else torch.ones(rows, num_context, dtype=torch.bool)
+            old = valid_or_all(self.key_valid, rows, self.cache.get_seq_length())
+            new = valid_or_all(new_valid, rows, num_context)
             self.key_valid = torch.cat([old.cpu(), new.cpu()], dim=1)
             attention_mask = torch.cat([self.key_valid, torch.ones(rows, q_len, dtype=torch.bool)], dim=1).to(device)
         out = self.drafter(
@@ -363,8 +362,8 @@ class TreeFlashCandidateGenerator(CandidateGenerator):
                 shape = (count, *layer.keys.shape[1:])
                 layer.keys = torch.cat([layer.keys, layer.keys.new_zeros(shape)])
                 layer.values = torch.cat([layer.values, layer.values.new_zeros(shape)])
-        old = self.key_valid if self.key_valid is not None else torch.ones(rows, length, dtype=torch.bool)
-        self.key_valid = torch.cat([old, torch.zeros(count, length, dtype=torch.bool)])
+        self.key_valid = torch.cat([valid_or_all(self.key_valid, rows, length),
+                                    torch.zeros(count, length, dtype=torch.bool)])
 
     def reset(self) -> None:
         """Forget every row (the working batch emptied): the next draft starts a fresh drafter cache."""

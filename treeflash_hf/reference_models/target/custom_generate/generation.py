@@ -32,7 +32,8 @@ from transformers.generation.stopping_criteria import (
 from transformers.generation.utils import GenerateDecoderOnlyOutput
 
 from .accept import Acceptance, RowProcessor, greedy_accept, walk_tree
-from .cache import append_rows, check_cache_supported, compact_cache, growing_cache, repack, select_rows
+from .cache import (append_rows, check_cache_supported, compact_cache, growing_cache, repack, select_rows,
+                    valid_or_all)
 from .draft import DraftContext, TreeFlashCandidateGenerator
 from .learned import learned_state
 from .lookup import MAX_NGRAM, MIN_PATH_PROB, expected_accepted, ngram_continuation, useful_length
@@ -176,9 +177,7 @@ class Rows:
         kept_valid = torch.arange(num_kept)[None] < torch.tensor(kept_counts)[:, None]  # [R, K]
         compact_cache(cache, past_len, kept_nodes)
         if self.key_valid is not None or not bool(kept_valid.all()):
-            past_valid = self.key_valid if self.key_valid is not None else torch.ones(len(self), past_len,
-                                                                                     dtype=torch.bool)
-            self.key_valid = torch.cat([past_valid, kept_valid], dim=1)
+            self.key_valid = torch.cat([valid_or_all(self.key_valid, len(self), past_len), kept_valid], dim=1)
         kept = DraftContext(generator.context_features(hidden_states, kept_nodes),
                             self.root_positions[:, None] + trees.depths.gather(1, kept_nodes),
                             None if bool(kept_valid.all()) else kept_valid)
@@ -483,9 +482,7 @@ def treeflash_decode(
 
 def context_valid(context: DraftContext) -> torch.BoolTensor:
     """`[R, C]`: which of the context's entries are real (its `valid`, or all)."""
-    if context.valid is not None:
-        return context.valid
-    return torch.ones(context.positions.shape, dtype=torch.bool)
+    return valid_or_all(context.valid, *context.positions.shape)
 
 
 def join_contexts(first: DraftContext, second: DraftContext) -> DraftContext:
