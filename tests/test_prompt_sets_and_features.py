@@ -116,3 +116,39 @@ def test_an_ablation_variant_trains_from_the_feature_store(tiny, tmp_path):
     state = variant.state_dict()
     assert all(torch.equal(state[k], v) for k, v in backbone.items())
     assert torch.count_nonzero(state["ar_approximation.d.weight"]) > 0
+
+
+def test_a_store_grows_by_new_chat_windows_and_draws_the_chat_share(tiny, tmp_path):
+    """`extend_store`: windows appended after the filled ones are filled next, the old outputs untouched; a
+    `chat_fraction` store draws that share of its batches from chat windows (those with masked prompt positions)."""
+    from treeflash_hf.training.features import extend_store
+
+    target, drafter, _ = tiny
+    generator = torch.Generator().manual_seed(3)
+    code = torch.randint(3, target.config.vocab_size, (4, 33), generator=generator).numpy()
+    layers, hidden = list(drafter.config.target_layer_ids), target.config.hidden_size
+    create_store(tmp_path, code, np.ones_like(code, dtype=np.uint8), layers, hidden, top_k=4, heldout=1,
+                 chat_chunks=["chunk-00000.json"])
+    fill_store(target, tmp_path, batch_size=4)
+    before = FeatureStore(tmp_path).rows(np.arange(4))
+    chat = torch.randint(3, target.config.vocab_size, (3, 33), generator=generator).numpy()
+    chat_mask = np.ones_like(chat, dtype=np.uint8)
+    chat_mask[:, :5] = 0  # a prompt
+    with pytest.raises(ValueError, match="tokens; the store's have 33"):
+        extend_store(tmp_path, chat[:, :10], chat_mask[:, :10])
+    assert extend_store(tmp_path, chat, chat_mask, chat_chunks=["chunk-00000.json", "chunk-00128.json"]) == 7
+    meta = json.loads((tmp_path / "store.json").read_text())
+    assert meta["done"] == 4 and meta["chat_chunks"][-1] == "chunk-00128.json"
+    assert fill_store(target, tmp_path, batch_size=2) == 7
+    store = FeatureStore(tmp_path, chat_fraction=0.75, seed=1)
+    after = store.rows(np.arange(4))
+    for old, new in zip(before[:3], after[:3]):
+        assert torch.equal(old, new)
+    ids, mask, context, _ = store.rows(np.arange(4, 7))
+    assert torch.equal(ids, torch.from_numpy(chat).long()) and torch.count_nonzero(context) > 0
+    assert store.chat_windows().tolist() == [False] * 4 + [True] * 3
+    drawn = np.concatenate([(store.batch(step, 8)[1] == 0).any(dim=1).numpy() for step in range(50)])
+    assert 0.65 < drawn.mean() < 0.85  # 400 draws at 0.75
+    assert (FeatureStore(tmp_path, seed=1).batch(0, 4)[0].shape == (4, 33))
+    with pytest.raises(ValueError, match="chat_fraction must be within"):
+        FeatureStore(tmp_path, chat_fraction=1.5)

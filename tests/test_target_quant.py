@@ -40,6 +40,18 @@ def test_quantize_target_quantizes_the_layers_and_keeps_the_head(spec):
     assert describe(spec).startswith(BACKENDS[spec].distribution + " ") and "not installed" not in describe(spec)
 
 
+def test_torchao_computes_in_bfloat16_when_asked_and_other_backends_say_they_cannot():
+    pytest.importorskip("torchao")
+    target = quantize_target(tiny_llama(), "torchao-int8", compute_dtype=torch.bfloat16)
+    assert target.dtype == torch.bfloat16 and quantization_backend(target) != NOT_QUANTIZED
+    with torch.no_grad():
+        assert target(PROMPT).logits.dtype == torch.bfloat16
+    with pytest.raises(ValueError, match=r"quanto-int8 computes in float32 here .*torchao-int8, torchao-int4"):
+        quantize_target(tiny_llama(), "quanto-int8", compute_dtype=torch.bfloat16)
+    with pytest.raises(ValueError, match="computes in float32 here"):
+        quantize_target(tiny_llama(), "torchao-int8", compute_dtype=torch.float16)
+
+
 def test_quantize_target_is_what_loading_a_checkpoint_with_the_config_does(tmp_path):
     pytest.importorskip("torchao")
     dense = tiny_llama()

@@ -436,7 +436,7 @@ def run(args: argparse.Namespace) -> int:
     torch.set_num_threads(args.threads)
     dtype = args.dtype if args.dtype == "auto" else getattr(torch, args.dtype)
     if dtype == "auto" and args.target_quant != "none":
-        dtype = torch.float32  # the quantized kernels compute in float32 here
+        dtype = torch.float32  # the quantized kernels compute in float32 here unless --dtype asks for bfloat16
     if args.target:
         if not args.drafter:
             raise SystemExit("error: --target needs --drafter (a drafter trained for that target).")
@@ -446,7 +446,10 @@ def run(args: argparse.Namespace) -> int:
         target, drafter, tokenizer = reference.load(args.pair, dtype=dtype)
     if args.drafter:
         drafter = AutoModel.from_pretrained(args.drafter, dtype=target.dtype).eval()
-    target = quantize_target(target, args.target_quant)
+    try:
+        target = quantize_target(target, args.target_quant, compute_dtype=target.dtype)
+    except ValueError as err:
+        raise SystemExit(f"error: {err}") from None
     try:
         prompts = load_prompts(args.prompts, args.num_prompts, tokenizer)
     except PromptFileError as err:
@@ -509,7 +512,7 @@ def add_parser(subparsers) -> None:
                              "plain generate() on the same batches")
     parser.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"],
                         help="run dtype (auto: the weights' own, bfloat16 for the bundled pair; float32 with "
-                             "--target-quant)")
+                             "--target-quant, where bfloat16 computes the torchao specs in bfloat16)")
     add_target_quant_argument(parser)
     parser.add_argument("--recalibrated", metavar="DIR",
                         help="a drafter recalibrated for --target-quant (`reference train-drafter --target-quant`): "

@@ -7,10 +7,13 @@ session; a stage whose output exists is skipped):
    the evaluation set, never HumanEval), batched, saved chunk by chunk.
 2. `windows`: fixed windows of `--seq-len + 1` tokens: the chat answers (loss on the answer tokens only) and the
    code corpus (`reference.corpus_split`: standard library and site-packages, reserved packages excluded), shuffled;
-   the first windows (held-out code and the last chat answers) are the held-out set.
+   the first windows (held-out code and the last chat answers) are the held-out set. On an existing store, the
+   distilled chunks it does not list yet (a later `distill` run) are appended as new training windows.
 3. `features`: the frozen target runs once over every window (`training/features.py`): context features and its
    top-K next-token log-probs, kept for every epoch of the stages below.
-4. `backbone`, then `ar`: the drafter stages of `training/drafter.py`, from the cached features.
+4. `backbone`, then `ar`: the drafter stages of `training/drafter.py`, from the cached features (`--chat-fraction`:
+   that share of each batch from chat windows; `--backbone-init RUN` starts a new `--backbone-run` schedule from an
+   earlier backbone run, a continuation on grown data).
 5. `export`: the drafter in bfloat16 with its tree defaults, README and training summary, into `--out`.
 
 Recalibration (`--target-quant SPEC`): the same recipe fits a trained drafter to a quantized copy of the target.
@@ -97,18 +100,37 @@ def distill(target, tokenizer, work: Path, args: argparse.Namespace) -> None:
               f"{(time.time() - started) / 60:.1f} min)", flush=True)
 
 
+def chat_windows(chunks: list[Path], length: int) -> tuple[np.ndarray, np.ndarray, dict]:
+    """The distilled conversations of `chunks`, concatenated and cut into windows `[N, length]` with loss masks
+    (prompt tokens 0, answer tokens 1), and their sizes."""
+    ids, mask, requests = [], [], 0
+    for path in chunks:
+        for row in json.loads(path.read_text()):
+            ids.extend(row["ids"])
+            mask.extend([0] * row["prompt_len"] + [1] * (len(row["ids"]) - row["prompt_len"]))
+            requests += 1
+    windows, masks = cut_windows(ids, mask, length)
+    return windows, masks, {"chat_requests": requests, "chat_tokens": len(ids), "chat_answer_tokens": int(sum(mask))}
+
+
+def cut_windows(ids: list[int], mask: list[int], length: int) -> tuple[np.ndarray, np.ndarray]:
+    count = len(ids) // length
+    return (np.asarray(ids[: count * length], dtype=np.int32).reshape(count, length),
+            np.asarray(mask[: count * length], dtype=np.uint8).reshape(count, length))
+
+
+def distill_chunks(work: Path) -> list[Path]:
+    return sorted((work / "distill").glob("chunk-*.json"))
+
+
 def make_windows(tokenizer, work: Path, args: argparse.Namespace) -> tuple[np.ndarray, np.ndarray, int, dict]:
     """Windows `[W, L + 1]` and loss masks; the first `heldout` windows are held out. Returns them with the data
     sizes for the README."""
     from .reference import corpus_split
 
     length = args.seq_len + 1
-    chat_ids, chat_mask = [], []
-    chunks = sorted((work / "distill").glob("chunk-*.json"))
-    for path in chunks:
-        for row in json.loads(path.read_text()):
-            chat_ids.extend(row["ids"])
-            chat_mask.extend([0] * row["prompt_len"] + [1] * (len(row["ids"]) - row["prompt_len"]))
+    chunks = distill_chunks(work)
+    chat, chat_masks, chat_sizes = chat_windows(chunks, length)
     split = corpus_split(site_packages=True)
     eos = tokenizer.convert_tokens_to_ids("<|endoftext|>")
 
@@ -121,27 +143,39 @@ def make_windows(tokenizer, work: Path, args: argparse.Namespace) -> tuple[np.nd
                 break
         return ids[:cap]
 
-    def cut(ids: list[int], mask: list[int]) -> tuple[np.ndarray, np.ndarray]:
-        count = len(ids) // length
-        return (np.asarray(ids[: count * length], dtype=np.int32).reshape(count, length),
-                np.asarray(mask[: count * length], dtype=np.uint8).reshape(count, length))
-
     code = code_stream(split["train"], args.code_tokens)
-    code_windows, code_masks = cut(code, [1] * len(code))
-    chat_windows, chat_masks = cut(chat_ids, chat_mask)
+    code_windows, code_masks = cut_windows(code, [1] * len(code), length)
     held_code = code_stream(split["heldout"], args.heldout_windows // 2 * length)
-    held_code_windows, held_code_masks = cut(held_code, [1] * len(held_code))
+    held_code_windows, held_code_masks = cut_windows(held_code, [1] * len(held_code), length)
     held_chat = args.heldout_windows - len(held_code_windows)
     rng = np.random.default_rng(args.seed)
-    train_windows = np.concatenate([chat_windows[held_chat:], code_windows])
+    train_windows = np.concatenate([chat[held_chat:], code_windows])
     train_masks = np.concatenate([chat_masks[held_chat:], code_masks])
     order = rng.permutation(len(train_windows))
-    windows = np.concatenate([held_code_windows, chat_windows[:held_chat], train_windows[order]])
+    windows = np.concatenate([held_code_windows, chat[:held_chat], train_windows[order]])
     masks = np.concatenate([held_code_masks, chat_masks[:held_chat], train_masks[order]])
-    sizes = {"chat_requests": sum(len(json.loads(p.read_text())) for p in chunks),
-             "chat_tokens": len(chat_ids), "chat_answer_tokens": int(sum(chat_mask)), "code_tokens": len(code),
+    sizes = {**chat_sizes, "chat_chunks": [path.name for path in chunks], "code_tokens": len(code),
              "windows": len(windows), "heldout_windows": args.heldout_windows, "seq_len": args.seq_len}
     return windows, masks, args.heldout_windows, sizes
+
+
+def add_chat_windows(work: Path, store_dir: Path, args: argparse.Namespace) -> dict | None:
+    """Distilled chunks that are not in the store yet (a later `distill` run answered more requests), cut into
+    windows and appended to it as training windows (the held-out set stays). Returns the grown data sizes, or None
+    when there is nothing new."""
+    from .training.features import extend_store
+
+    meta = json.loads((store_dir / "store.json").read_text())
+    if "chat_chunks" not in meta:
+        raise SystemExit(f"error: {store_dir}/store.json does not list the distilled chunks it was cut from "
+                         "(\"chat_chunks\"): add that list to grow it, or remove the store to rebuild it.")
+    new_chunks = [path for path in distill_chunks(work) if path.name not in meta["chat_chunks"]]
+    if not new_chunks:
+        return None
+    windows, masks, sizes = chat_windows(new_chunks, args.seq_len + 1)
+    count = extend_store(store_dir, windows, masks, chat_chunks=meta["chat_chunks"] + [p.name for p in new_chunks])
+    print(f"windows: {len(windows)} chat windows from {len(new_chunks)} new distilled chunks ({count} in all)")
+    return {**sizes, "windows_added": len(windows), "windows": count}
 
 
 def new_drafter(target, args: argparse.Namespace, tokenizer):
@@ -208,6 +242,7 @@ def train_stage(stage: str, target, drafter, store, run_dir: Path, args, minutes
 
 def run(args: argparse.Namespace) -> int:
     from .pairs import SMOLLM2_DRAFTER
+    from .training.checkpoint import latest_checkpoint
     from .training.features import FeatureStore, copy_windows, create_store, fill_store
 
     torch.set_num_threads(args.threads)
@@ -243,27 +278,47 @@ def run(args: argparse.Namespace) -> int:
                             "windows": json.loads((store_dir / "store.json").read_text())["windows"]})
         else:
             windows, masks, heldout, sizes = make_windows(tokenizer, work, args)
-            create_store(store_dir, windows, masks, layer_ids, target.config.hidden_size, args.top_k, heldout)
+            create_store(store_dir, windows, masks, layer_ids, target.config.hidden_size, args.top_k, heldout,
+                         chat_chunks=sizes["chat_chunks"])
             record("data", sizes)
+    elif "windows" in args.stages and not recalibrating:
+        if (added := add_chat_windows(work, store_dir, args)) is not None:
+            record("data_added", summary.get("data_added", []) + [added])
     if "features" in args.stages:
         started = time.time()
         done = fill_store(target, store_dir, batch_size=4, minutes=args.features_minutes,
                           autocast=not recalibrating)
         record("features_minutes", summary.get("features_minutes", 0.0) + (time.time() - started) / 60)
         record("feature_windows_done", done)
+    run_dirs = {"backbone": work / args.backbone_run, "ar": work / args.ar_run}
     for stage in ("backbone", "ar"):
         if stage in args.stages:
-            store = FeatureStore(store_dir, seed=args.seed)
+            store = FeatureStore(store_dir, seed=args.seed, chat_fraction=args.chat_fraction)
             if stage == "ar" and not recalibrating:
-                load_stage(drafter, work / "run-backbone")
+                load_stage(drafter, run_dirs["backbone"])
+            if stage == "backbone" and args.backbone_init and latest_checkpoint(run_dirs["backbone"]) is None:
+                load_stage(drafter, work / args.backbone_init)  # a new schedule continuing an earlier backbone
             minutes = args.backbone_minutes if stage == "backbone" else args.ar_minutes
-            stage_summary = train_stage(stage, target, drafter, store, work / f"run-{stage}", args, minutes)
-            stage_summary["windows_available"] = store.done
-            record(stage, {k: v for k, v in stage_summary.items()})
+            stage_summary = train_stage(stage, target, drafter, store, run_dirs[stage], args, minutes)
+            stage_summary.update(windows_available=store.done, run=run_dirs[stage].name,
+                                 chat_fraction=args.chat_fraction)
+            if stage == "backbone" and args.backbone_init:
+                stage_summary["continues"] = stage_key("backbone", args.backbone_init)
+            record(stage_key(stage, args.backbone_run if stage == "backbone" else args.ar_run), stage_summary)
     if "export" in args.stages:
-        load_stage(drafter, work / "run-ar")
-        export(drafter, out, summary, args.target_quant)
+        load_stage(drafter, run_dirs["ar"])
+        backbone = stage_key("backbone", args.backbone_run)
+        history = [backbone]
+        while (earlier := summary.get(history[0], {}).get("continues")) is not None:
+            history.insert(0, earlier)
+        export(drafter, out, summary, args.target_quant, history + [stage_key("ar", args.ar_run)])
     return 0
+
+
+def stage_key(stage: str, run: str) -> str:
+    """A stage's entry in the work folder's `summary.json`: `backbone` / `ar` for the default runs, else
+    `stage:run`."""
+    return stage if run == f"run-{stage}" else f"{stage}:{run}"
 
 
 def initial_drafter(path: str, target):
@@ -292,8 +347,10 @@ def load_stage(drafter, run_dir: Path) -> None:
     drafter.load_state_dict(load_checkpoint(checkpoint)["model"])
 
 
-def export(drafter, out: Path, summary: dict, target_quant: str = "none") -> None:
-    """The drafter in bfloat16 with the reference tree defaults, its training summary and README."""
+def export(drafter, out: Path, summary: dict, target_quant: str = "none",
+           stage_keys: tuple[str, ...] = ("backbone", "ar")) -> None:
+    """The drafter in bfloat16 with the reference tree defaults, its training summary and README; `stage_keys`: the
+    summary entries of the stages that made it, in order."""
     from .reference import write_readme
 
     defaults = {"tree_budget": "auto", "tree_mode": "treeflash", "tree_top_m": 8, "tree_top_k": 8}
@@ -303,8 +360,9 @@ def export(drafter, out: Path, summary: dict, target_quant: str = "none") -> Non
     for param in drafter.parameters():
         param.requires_grad = True
     drafter.to(torch.bfloat16).save_pretrained(out)
-    stages = {k: summary[k] for k in ("backbone", "ar") if k in summary}
+    stages = {k: summary[k] for k in stage_keys if k in summary}
     (out / "training_summary.json").write_text(json.dumps({**stages, "data": summary.get("data", {}),
+                                                           "data_added": summary.get("data_added", []),
                                                            "distill_minutes": summary.get("distill_minutes"),
                                                            "features_minutes": summary.get("features_minutes")},
                                                           indent=2))
@@ -355,4 +413,10 @@ def add_parser(subparsers) -> None:
     parser.add_argument("--lr", type=float, default=6e-4)
     parser.add_argument("--backbone-minutes", type=float, default=35)
     parser.add_argument("--ar-minutes", type=float, default=20)
+    parser.add_argument("--backbone-run", default="run-backbone", help="the backbone stage's folder in --work")
+    parser.add_argument("--ar-run", default="run-ar", help="the ar stage's folder in --work (export reads it)")
+    parser.add_argument("--backbone-init", help="a backbone run folder in --work whose last checkpoint starts a new "
+                                                "--backbone-run schedule (a continuation on new data)")
+    parser.add_argument("--chat-fraction", type=float,
+                        help="share of each batch drawn from chat windows (default: uniform over all windows)")
     parser.set_defaults(func=run)

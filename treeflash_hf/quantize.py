@@ -1,6 +1,7 @@
 """Quantized targets (`--target-quant SPEC`): one loaded target quantized by one of the backends tested on this CPU.
 
-Every spec computes in float32. torchao, bitsandbytes and optimum-quanto go through transformers'
+Every spec computes in float32 by default; the torchao specs also compute in bfloat16 (`compute_dtype`: on a CPU
+with bfloat16 matrix units a multi-token verification then costs little more than one token). torchao, bitsandbytes and optimum-quanto go through transformers'
 `quantization_config`: the loaded target's weights are loaded again into a fresh model with that config, exactly as
 `from_pretrained(..., quantization_config=...)` quantizes a checkpoint. HQQ, whose `HqqConfig` transformers 5.24 does
 not run ("HQQ is not available yet"), quantizes the loaded model's layers in place. lm_head stays as the backend's
@@ -38,6 +39,7 @@ BACKENDS = {
     "hqq-4bit": Backend("hqq", "hqq", "4-bit, group 64, applied to the loaded model"),
 }
 QUANT_SPECS = tuple(BACKENDS)
+BFLOAT16_COMPUTE_SPECS = ("torchao-int8", "torchao-int4")  # tested in bfloat16 compute too
 
 
 class QuantizationUnavailable(ImportError, ValueError):
@@ -97,25 +99,29 @@ def quantization_config(spec: str, quantize_head: bool = False):
                               llm_int8_skip_modules=skip)
 
 
-def reload_quantized(target, config):
+def reload_quantized(target, config, compute_dtype: torch.dtype = torch.float32):
     """`target`'s weights loaded into a new model of its class, quantized on load by transformers' `config`, in
-    float32 on `target`'s device (the weights are passed in memory: nothing is written to disk)."""
+    `compute_dtype` on `target`'s device (the weights are passed in memory: nothing is written to disk)."""
     quantized = type(target).from_pretrained(
         None, config=copy.deepcopy(target.config), state_dict=target.state_dict(), quantization_config=config,
-        dtype=torch.float32, device_map=target.device, attn_implementation=target.config._attn_implementation)
+        dtype=compute_dtype, device_map=target.device, attn_implementation=target.config._attn_implementation)
     quantized.generation_config = copy.deepcopy(target.generation_config)
     return quantized.eval()
 
 
-def quantize_target(target, spec: str, quantize_head: bool = False):
-    """`target` (loaded, float32 or bfloat16) quantized by `spec` with float32 compute. Use the returned model: it is
-    a new one for the backends transformers applies, `target` itself quantized in place for "hqq-4bit", and `target`
-    unchanged for "none"."""
-    config = quantization_config(spec, quantize_head)
-    if config is not None:
-        return reload_quantized(target, config)
+def quantize_target(target, spec: str, quantize_head: bool = False, compute_dtype: torch.dtype = torch.float32):
+    """`target` (loaded, float32 or bfloat16) quantized by `spec`, computing in `compute_dtype` (float32, or
+    bfloat16 for `BFLOAT16_COMPUTE_SPECS`). Use the returned model: it is a new one for the backends transformers
+    applies, `target` itself quantized in place for "hqq-4bit", and `target` unchanged for "none"."""
+    if compute_dtype not in (torch.float32, torch.bfloat16) or (
+            compute_dtype == torch.bfloat16 and spec not in BFLOAT16_COMPUTE_SPECS + ("none",)):
+        raise ValueError(f"--target-quant {spec} computes in float32 here ({compute_dtype} asked); bfloat16 compute "
+                         f"is tested for {', '.join(BFLOAT16_COMPUTE_SPECS)}: use one of those or float32.")
     if spec == "none":
         return target
+    config = quantization_config(spec, quantize_head)
+    if config is not None:
+        return reload_quantized(target, config, compute_dtype)
     _require(spec)
     from hqq.core.quantize import BaseQuantizeConfig, HQQLinear
     from hqq.models.hf.base import AutoHQQHFModel

@@ -9,7 +9,11 @@ drafter forward and one head product per step, no target forward.
 Files in the store's folder (all preallocated, filled window by window, so building resumes where it stopped):
 `windows.npy` `[W, L + 1]` int32 token ids, `loss_mask.npy` `[W, L + 1]` uint8 (1 where a predicted token counts),
 `features.bin` `[W, L, F]` bfloat16 bits, `top_ids.bin` `[W, L, K]` int32, `top_log_probs.bin` `[W, L, K]` float16,
-`store.json` (shapes, layer ids, and `done`: windows whose outputs are written).
+`store.json` (shapes, layer ids, and `done`: windows whose outputs are written). A store grows by `extend_store`
+(new windows appended after the existing ones, filled by the next `fill_store`).
+
+Chat windows (self-distilled answers) are the windows whose loss mask masks some positions (their prompts); code
+windows count every position. `FeatureStore(chat_fraction=...)` draws that share of each batch from chat windows.
 """
 
 from __future__ import annotations
@@ -30,7 +34,9 @@ STORE_FILE = "store.json"
 class FeatureStore:
     """Cached target outputs over fixed windows (see the module docstring); `batch(step, B)` draws windows."""
 
-    def __init__(self, folder: str | Path, seed: int = 0):
+    def __init__(self, folder: str | Path, seed: int = 0, chat_fraction: float | None = None):
+        if chat_fraction is not None and not 0.0 <= chat_fraction <= 1.0:
+            raise ValueError(f"chat_fraction must be within [0, 1], got {chat_fraction}.")
         self.folder = Path(folder)
         meta_file = self.folder / STORE_FILE
         if not meta_file.exists():
@@ -45,6 +51,7 @@ class FeatureStore:
         self.top_log_probs = np.memmap(self.folder / "top_log_probs.bin", dtype=np.float16, mode="r",
                                        shape=(windows, seq_len, top_k))
         self.seed = seed
+        self.chat_fraction = chat_fraction
 
     @property
     def done(self) -> int:
@@ -68,7 +75,21 @@ class FeatureStore:
         if self.done <= heldout:
             raise ValueError(f"The feature store {self.folder} has no training windows done yet: fill it first.")
         rng = np.random.default_rng([self.seed, step])
-        return self.rows(rng.integers(heldout, self.done, size=batch_size))
+        if self.chat_fraction is None:
+            return self.rows(rng.integers(heldout, self.done, size=batch_size))
+        is_chat = self.chat_windows()[heldout : self.done]
+        chat, code = np.flatnonzero(is_chat) + heldout, np.flatnonzero(~is_chat) + heldout
+        if len(chat) == 0 or len(code) == 0:
+            raise ValueError(f"chat_fraction needs chat and code windows among the {self.done - heldout} training "
+                             f"windows done ({len(chat)} chat, {len(code)} code).")
+        pick_chat = rng.random(batch_size) < self.chat_fraction
+        indices = np.where(pick_chat, chat[rng.integers(0, len(chat), size=batch_size)],
+                           code[rng.integers(0, len(code), size=batch_size)])
+        return self.rows(indices)
+
+    def chat_windows(self) -> np.ndarray:
+        """`[W]` bool: the windows with masked (prompt) positions, i.e. chat answers."""
+        return ~np.asarray(self.loss_mask).astype(bool).all(axis=1)
 
     def heldout_batches(self, batch_size: int) -> list:
         """The held-out windows (the store's first `heldout`), in batches."""
@@ -77,9 +98,9 @@ class FeatureStore:
 
 
 def create_store(folder: str | Path, windows: np.ndarray, loss_mask: np.ndarray, layer_ids: list[int],
-                 hidden_size: int, top_k: int, heldout: int) -> None:
+                 hidden_size: int, top_k: int, heldout: int, **meta_extra) -> None:
     """Lay out an empty store for `windows [W, L + 1]` (nothing is done yet); the first `heldout` windows are the
-    held-out set (filled first)."""
+    held-out set (filled first). `meta_extra` goes into `store.json` (e.g. the data it was cut from)."""
     folder = Path(folder)
     folder.mkdir(parents=True, exist_ok=True)
     count, seq_len = windows.shape[0], windows.shape[1] - 1
@@ -90,8 +111,33 @@ def create_store(folder: str | Path, windows: np.ndarray, loss_mask: np.ndarray,
                               ("top_log_probs.bin", np.float16, top_k)):
         np.memmap(folder / name, dtype=dtype, mode="w+", shape=(count, seq_len, last)).flush()
     meta = {"windows": count, "seq_len": seq_len, "feature_width": width, "top_k": top_k, "layer_ids": layer_ids,
-            "heldout": heldout, "done": 0}
+            "heldout": heldout, "done": 0, **meta_extra}
     (folder / STORE_FILE).write_text(json.dumps(meta, indent=2))
+
+
+def extend_store(folder: str | Path, windows: np.ndarray, loss_mask: np.ndarray, **meta_updates) -> int:
+    """Append `windows [N, L + 1]` (and their loss masks) to the store after its existing windows, training windows
+    not done yet (the next `fill_store` runs the target over them); `meta_updates` go into `store.json`. The feature
+    files grow in place (their new tail reads as zeros until filled). Returns the new window count."""
+    folder = Path(folder)
+    meta = json.loads((folder / STORE_FILE).read_text())
+    if windows.shape[1] != meta["seq_len"] + 1:
+        raise ValueError(f"New windows have {windows.shape[1]} tokens; the store's have {meta['seq_len'] + 1}.")
+    old = np.load(folder / "windows.npy")
+    old_mask = np.load(folder / "loss_mask.npy")
+    count = old.shape[0] + windows.shape[0]
+    for name, item_bytes in (("features.bin", 2 * meta["feature_width"]), ("top_ids.bin", 4 * meta["top_k"]),
+                             ("top_log_probs.bin", 2 * meta["top_k"])):
+        with open(folder / name, "r+b") as handle:
+            handle.truncate(count * meta["seq_len"] * item_bytes)
+    for name, array in (("windows.npy", np.concatenate([old, windows.astype(np.int32)])),
+                        ("loss_mask.npy", np.concatenate([old_mask, loss_mask.astype(np.uint8)]))):
+        tmp = folder / f"{name}.tmp.npy"
+        np.save(tmp, array)
+        tmp.replace(folder / name)
+    meta.update(meta_updates, windows=count)
+    (folder / STORE_FILE).write_text(json.dumps(meta, indent=2))
+    return count
 
 
 def copy_windows(source: str | Path, folder: str | Path, count: int, layer_ids: list[int], hidden_size: int,
@@ -144,4 +190,4 @@ def fill_store(target, folder: str | Path, batch_size: int = 4, minutes: float |
     return meta["done"]
 
 
-__all__ = ["FeatureStore", "copy_windows", "create_store", "fill_store"]
+__all__ = ["FeatureStore", "copy_windows", "create_store", "extend_store", "fill_store"]
