@@ -146,7 +146,7 @@ def test_a_store_grows_by_new_chat_windows_and_draws_the_chat_share(tiny, tmp_pa
         assert torch.equal(old, new)
     ids, mask, context, _ = store.rows(np.arange(4, 7))
     assert torch.equal(ids, torch.from_numpy(chat).long()) and torch.count_nonzero(context) > 0
-    assert store.chat_windows().tolist() == [False] * 4 + [True] * 3
+    assert store.is_chat.tolist() == [False] * 4 + [True] * 3
     drawn = np.concatenate([(store.batch(step, 8)[1] == 0).any(dim=1).numpy() for step in range(50)])
     assert 0.65 < drawn.mean() < 0.85  # 400 draws at 0.75
     assert (FeatureStore(tmp_path, seed=1).batch(0, 4)[0].shape == (4, 33))

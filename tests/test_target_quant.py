@@ -50,6 +50,8 @@ def test_torchao_computes_in_bfloat16_when_asked_and_other_backends_say_they_can
         quantize_target(tiny_llama(), "quanto-int8", compute_dtype=torch.bfloat16)
     with pytest.raises(ValueError, match="computes in float32 here"):
         quantize_target(tiny_llama(), "torchao-int8", compute_dtype=torch.float16)
+    dense = tiny_llama(torch.float16)  # no quantization: the bench's --dtype float16 keeps working
+    assert quantize_target(dense, "none", compute_dtype=torch.float16) is dense
 
 
 def test_quantize_target_is_what_loading_a_checkpoint_with_the_config_does(tmp_path):

@@ -100,7 +100,7 @@ def distill(target, tokenizer, work: Path, args: argparse.Namespace) -> None:
               f"{(time.time() - started) / 60:.1f} min)", flush=True)
 
 
-def chat_windows(chunks: list[Path], length: int) -> tuple[np.ndarray, np.ndarray, dict]:
+def distilled_windows(chunks: list[Path], length: int) -> tuple[np.ndarray, np.ndarray, dict]:
     """The distilled conversations of `chunks`, concatenated and cut into windows `[N, length]` with loss masks
     (prompt tokens 0, answer tokens 1), and their sizes."""
     ids, mask, requests = [], [], 0
@@ -130,7 +130,7 @@ def make_windows(tokenizer, work: Path, args: argparse.Namespace) -> tuple[np.nd
 
     length = args.seq_len + 1
     chunks = distill_chunks(work)
-    chat, chat_masks, chat_sizes = chat_windows(chunks, length)
+    chat, chat_masks, chat_sizes = distilled_windows(chunks, length)
     split = corpus_split(site_packages=True)
     eos = tokenizer.convert_tokens_to_ids("<|endoftext|>")
 
@@ -172,7 +172,7 @@ def add_chat_windows(work: Path, store_dir: Path, args: argparse.Namespace) -> d
     new_chunks = [path for path in distill_chunks(work) if path.name not in meta["chat_chunks"]]
     if not new_chunks:
         return None
-    windows, masks, sizes = chat_windows(new_chunks, args.seq_len + 1)
+    windows, masks, sizes = distilled_windows(new_chunks, args.seq_len + 1)
     count = extend_store(store_dir, windows, masks, chat_chunks=meta["chat_chunks"] + [p.name for p in new_chunks])
     print(f"windows: {len(windows)} chat windows from {len(new_chunks)} new distilled chunks ({count} in all)")
     return {**sizes, "windows_added": len(windows), "windows": count}

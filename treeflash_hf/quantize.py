@@ -1,8 +1,8 @@
 """Quantized targets (`--target-quant SPEC`): one loaded target quantized by one of the backends tested on this CPU.
 
 Every spec computes in float32 by default; the torchao specs also compute in bfloat16 (`compute_dtype`: on a CPU
-with bfloat16 matrix units a multi-token verification then costs little more than one token). torchao, bitsandbytes and optimum-quanto go through transformers'
-`quantization_config`: the loaded target's weights are loaded again into a fresh model with that config, exactly as
+with bfloat16 matrix units a multi-token verification then costs little more than one token). torchao, bitsandbytes
+and optimum-quanto go through transformers' `quantization_config`: the loaded target's weights are loaded again into a fresh model with that config, exactly as
 `from_pretrained(..., quantization_config=...)` quantizes a checkpoint. HQQ, whose `HqqConfig` transformers 5.24 does
 not run ("HQQ is not available yet"), quantizes the loaded model's layers in place. lm_head stays as the backend's
 default leaves it (a plain, possibly tied, Linear for all of them) unless `quantize_head` asks for it too.
@@ -113,12 +113,11 @@ def quantize_target(target, spec: str, quantize_head: bool = False, compute_dtyp
     """`target` (loaded, float32 or bfloat16) quantized by `spec`, computing in `compute_dtype` (float32, or
     bfloat16 for `BFLOAT16_COMPUTE_SPECS`). Use the returned model: it is a new one for the backends transformers
     applies, `target` itself quantized in place for "hqq-4bit", and `target` unchanged for "none"."""
-    if compute_dtype not in (torch.float32, torch.bfloat16) or (
-            compute_dtype == torch.bfloat16 and spec not in BFLOAT16_COMPUTE_SPECS + ("none",)):
+    if spec == "none":
+        return target  # dense: whatever dtype it was loaded in
+    if not (compute_dtype == torch.float32 or (compute_dtype == torch.bfloat16 and spec in BFLOAT16_COMPUTE_SPECS)):
         raise ValueError(f"--target-quant {spec} computes in float32 here ({compute_dtype} asked); bfloat16 compute "
                          f"is tested for {', '.join(BFLOAT16_COMPUTE_SPECS)}: use one of those or float32.")
-    if spec == "none":
-        return target
     config = quantization_config(spec, quantize_head)
     if config is not None:
         return reload_quantized(target, config, compute_dtype)

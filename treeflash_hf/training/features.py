@@ -18,6 +18,7 @@ windows count every position. `FeatureStore(chat_fraction=...)` draws that share
 
 from __future__ import annotations
 
+import functools
 import json
 import time
 from pathlib import Path
@@ -77,7 +78,7 @@ class FeatureStore:
         rng = np.random.default_rng([self.seed, step])
         if self.chat_fraction is None:
             return self.rows(rng.integers(heldout, self.done, size=batch_size))
-        is_chat = self.chat_windows()[heldout : self.done]
+        is_chat = self.is_chat[heldout : self.done]
         chat, code = np.flatnonzero(is_chat) + heldout, np.flatnonzero(~is_chat) + heldout
         if len(chat) == 0 or len(code) == 0:
             raise ValueError(f"chat_fraction needs chat and code windows among the {self.done - heldout} training "
@@ -87,8 +88,9 @@ class FeatureStore:
                            code[rng.integers(0, len(code), size=batch_size)])
         return self.rows(indices)
 
-    def chat_windows(self) -> np.ndarray:
-        """`[W]` bool: the windows with masked (prompt) positions, i.e. chat answers."""
+    @functools.cached_property
+    def is_chat(self) -> np.ndarray:
+        """`[W]` bool: the windows with masked (prompt) positions, i.e. chat answers (computed once)."""
         return ~np.asarray(self.loss_mask).astype(bool).all(axis=1)
 
     def heldout_batches(self, batch_size: int) -> list:
