@@ -155,24 +155,25 @@ def peaked_pair():
     return target, drafter
 
 
-def test_sampled_rows_follow_the_target_distribution(peaked_pair, budget=4, lookup=3):
-    """Each row of a batch (different prompts, so different padding) samples exactly its own distribution."""
+def test_sampled_rows_follow_the_target_distribution(peaked_pair, budget=4, lookup=3, copies=10):
+    """Each row of a batch (different prompts, so different padding; each prompt `copies` times) samples exactly
+    its own distribution."""
     target, drafter = peaked_pair
     prompts = [[1, 4, 2], [3, 0, 5, 5, 1], [2]]
     expected = [exact_joint(target, torch.tensor([p]), TEMPERATURE) for p in prompts]
     wrong = [exact_joint(target, torch.tensor([p]), TEMPERATURE * 1.5) for p in prompts]
-    ids, mask = left_pad(prompts, pad=0)
+    ids, mask = left_pad(prompts * copies, pad=0)
     torch.manual_seed(4321)
     counts = [{} for _ in prompts]
     accepted_total = 0
-    for _ in range(SAMPLES):
+    for _ in range(SAMPLES // copies):
         forget_learned_state(drafter)
         out = treeflash_generate(target, drafter, ids, attention_mask=mask, max_new_tokens=NEW_TOKENS,
                                  pad_token_id=0, do_sample=True, temperature=TEMPERATURE, top_p=TOP_P,
                                  tree_budget=budget, tree_top_m=VOCAB, tree_top_k=VOCAB, tree_lookup=lookup)
-        for row in range(len(prompts)):
+        for row in range(ids.shape[0]):
             outcome = tuple(out.sequences[row, ids.shape[1]:].tolist())
-            counts[row][outcome] = counts[row].get(outcome, 0) + 1
+            counts[row % len(prompts)][outcome] = counts[row % len(prompts)].get(outcome, 0) + 1
         accepted_total += sum(out.accepted_lengths)
     assert accepted_total > SAMPLES // 20, "the drafts were almost never accepted: the test would not exercise them"
     for row in range(len(prompts)):

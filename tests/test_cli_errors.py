@@ -1,5 +1,8 @@
 """The command line fails like a tool: an expected failure prints one `error: ...` line naming the fix and exits
-non-zero, with no traceback unless `--debug` is given. Each case runs the real CLI in a subprocess, offline."""
+non-zero, with no traceback unless `--debug` is given. The real CLI runs offline in a subprocess: the cases that
+need their own environment (the Hub ones) one process each, the others one after another in one process
+(`treeflash_hf.cli.main` per case, its exit code and output captured as a process's would be), which pays the
+import of torch and transformers once."""
 
 import http.server
 import json
@@ -16,12 +19,53 @@ from treeflash_hf import reference
 CLI = [sys.executable, "-m", "treeflash_hf.cli"]
 
 
-def run_cli(args, cwd, **env) -> subprocess.CompletedProcess:
+def cli_environment(cwd, **env) -> dict:
+    """Offline, a fresh HF_HOME under `cwd`, no token or endpoint of the caller's; `env` on top."""
     environment = {name: value for name, value in os.environ.items() if name not in ("HF_TOKEN", "HF_ENDPOINT")}
     environment.update({"HF_HUB_OFFLINE": "1", "HF_HOME": str(cwd / "hf_home"), "TRANSFORMERS_VERBOSITY": "error",
                         **env})
-    return subprocess.run(CLI + [str(arg) for arg in args], cwd=cwd, env=environment, capture_output=True, text=True,
-                          timeout=300)
+    return environment
+
+
+def run_cli(args, cwd, **env) -> subprocess.CompletedProcess:
+    return subprocess.run(CLI + [str(arg) for arg in args], cwd=cwd, env=cli_environment(cwd, **env),
+                          capture_output=True, text=True, timeout=300)
+
+
+# Runs `main(argv)` for each argv of a JSON list in one process; prints one JSON result per case (an uncaught
+# exception is printed as the interpreter would, exit 1; argparse's exits keep their code).
+CASE_RUNNER = """
+import contextlib, io, json, sys, traceback
+from treeflash_hf.cli import main
+results = []
+for argv in json.loads(sys.argv[1]):
+    out, err = io.StringIO(), io.StringIO()
+    with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+        try:
+            code = main(argv)
+        except SystemExit as stop:  # as the interpreter ends on it
+            if stop.code is None or isinstance(stop.code, int):
+                code = stop.code or 0
+            else:
+                print(stop.code, file=sys.stderr)
+                code = 1
+        except BaseException:
+            traceback.print_exc()
+            code = 1
+    results.append({"returncode": code, "stdout": out.getvalue(), "stderr": err.getvalue()})
+print(json.dumps(results))
+"""
+
+
+def run_cli_cases(cases: list[list], cwd) -> list[subprocess.CompletedProcess]:
+    """`run_cli` for several argument lists sharing one environment, in one process."""
+    argvs = [[str(arg) for arg in args] for args in cases]
+    done = subprocess.run([sys.executable, "-c", CASE_RUNNER, json.dumps(argvs)], cwd=cwd, env=cli_environment(cwd),
+                          capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stderr
+    results = json.loads(done.stdout.strip().splitlines()[-1])
+    return [subprocess.CompletedProcess(argv, r["returncode"], r["stdout"], r["stderr"])
+            for argv, r in zip(argvs, results)]
 
 
 def assert_tool_failure(done: subprocess.CompletedProcess, *needles: str) -> str:
@@ -97,23 +141,45 @@ CASES = {
 }
 
 
+DEBUG_CASES = ["push-truncated-weights", "train-missing-target"]
+BAD_ARGUMENTS = ["bench", "--budgets", "4", "-1"]
+
+
+@pytest.fixture(scope="module")
+def shared_environment_runs(corrupt, tmp_path_factory) -> dict:
+    """Every case without an environment of its own, plus the `--debug` runs, a bad argument and `--help`, in one
+    process."""
+    names = [name for name in sorted(CASES) if not CASES[name][2]]
+    argvs = [CASES[name][0](corrupt) for name in names]
+    argvs += [["--debug", *CASES[name][0](corrupt)] for name in DEBUG_CASES] + [BAD_ARGUMENTS, ["--help"]]
+    keys = names + [f"--debug {name}" for name in DEBUG_CASES] + ["bad-argument", "help"]
+    return dict(zip(keys, run_cli_cases(argvs, tmp_path_factory.mktemp("cli"))))
+
+
 @pytest.mark.parametrize("case", sorted(CASES))
-def test_expected_failures_are_one_error_line(case, corrupt, tmp_path):
+def test_expected_failures_are_one_error_line(case, corrupt, shared_environment_runs, tmp_path):
     args, needles, env = CASES[case]
-    assert_tool_failure(run_cli(args(corrupt), tmp_path, **env), *needles)
+    done = run_cli(args(corrupt), tmp_path, **env) if env else shared_environment_runs[case]
+    assert_tool_failure(done, *needles)
 
 
-@pytest.mark.parametrize("case", ["push-truncated-weights", "train-missing-target"])
-def test_debug_shows_the_traceback(case, corrupt, tmp_path):
-    args, _, env = CASES[case]
-    done = run_cli(["--debug", *args(corrupt)], tmp_path, **env)
+@pytest.mark.parametrize("case", DEBUG_CASES)
+def test_debug_shows_the_traceback(case, shared_environment_runs):
+    done = shared_environment_runs[f"--debug {case}"]
     assert done.returncode != 0 and "Traceback (most recent call last)" in done.stderr
 
 
-def test_argument_errors_keep_the_usage_line(tmp_path):
-    done = run_cli(["bench", "--budgets", "4", "-1"], tmp_path)
+def test_argument_errors_keep_the_usage_line(shared_environment_runs):
+    done = shared_environment_runs["bad-argument"]
     assert done.returncode == 2 and done.stderr.startswith("usage: treeflash-hf bench")
     assert_tool_failure(done, "argument --budgets: -1 is not allowed")
+
+
+def test_one_process_runner_reports_like_a_process(shared_environment_runs):
+    """The shared runner itself: a succeeding case's exit code and output come back (failing ones: the tests
+    above)."""
+    done = shared_environment_runs["help"]
+    assert done.returncode == 0 and done.stdout.startswith("usage: treeflash-hf") and not done.stderr
 
 
 def test_push_with_a_rejected_token(refusing_hub, tmp_path):

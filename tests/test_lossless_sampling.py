@@ -5,7 +5,8 @@ computed from the target, with the same logits processors (temperature, top-p). 
 each mode are compared to it with a chi-square goodness-of-fit test at significance 1e-3: with the fixed seeds
 below the outcome is deterministic, and for a correct sampler the chance that a given seed fails is 0.1% per
 comparison. A power check makes sure the test can fail: the same samples must reject the distribution of a
-slightly different temperature.
+slightly different temperature. Samples are drawn as batches of the same prompt (each row samples on its own;
+one case draws them one call each, the batch-of-one path).
 """
 
 import itertools
@@ -24,6 +25,7 @@ from .conftest import randomise_ar_layer
 VOCAB = 6
 NEW_TOKENS = 3
 SAMPLES = 2000
+ROWS_PER_CALL = 25  # samples drawn per call, as a batch of the same prompt
 ALPHA = 1e-3
 TEMPERATURE, TOP_P = 0.8, 0.95
 
@@ -72,32 +74,34 @@ def chi_square_p(counts: dict, expected_probs: dict, total: int) -> float:
 
 
 @pytest.mark.parametrize(
-    "mode,budget,lookup",
-    [("treeflash", 4, 0), ("treeflash", 16, 0), ("marginal_tree", 3, 0), ("chain", 4, 0),
-     ("treeflash", 4, 3), ("treeflash", 4, "only"), ("treeflash", "auto", 3)],
+    "mode,budget,lookup,rows",
+    [("treeflash", 4, 0, 1), ("treeflash", 16, 0, ROWS_PER_CALL), ("marginal_tree", 3, 0, ROWS_PER_CALL),
+     ("chain", 4, 0, ROWS_PER_CALL), ("treeflash", 4, 3, ROWS_PER_CALL), ("treeflash", 4, "only", ROWS_PER_CALL),
+     ("treeflash", "auto", 3, ROWS_PER_CALL)],
 )
-def test_speculative_sampling_matches_target_distribution(peaked_pair, mode, budget, lookup, monkeypatch):
-    """lookup: length of the lookup branch in the tree, or "only": every step with a match verifies the lookup
-    branch alone (the drafter is skipped)."""
+def test_speculative_sampling_matches_target_distribution(peaked_pair, mode, budget, lookup, rows, monkeypatch):
+    """lookup: length of the lookup branch in the tree, or "only": every step where some row has a match verifies
+    the lookup branches alone (the drafter is skipped). rows: samples per call (a batch of the same prompt)."""
     target, drafter = peaked_pair
     if lookup == "only":
-        monkeypatch.setattr(StepScheduler, "choose",
-                            lambda self, branches, **_: "draft" if branches == [None] else "lookup")
+        monkeypatch.setattr(StepScheduler, "choose", lambda self, branches, **_:
+                            "draft" if all(branch is None for branch in branches) else "lookup")
         lookup = 3
     prompt = torch.tensor([[1, 4, 2]])
     expected = exact_joint(target, prompt, TEMPERATURE)
     torch.manual_seed(1234)
     counts: dict[tuple[int, ...], int] = {}
     accepted_total = 0
-    for _ in range(SAMPLES):
+    for _ in range(SAMPLES // rows):
         # each call starts afresh: carried over, auto's schedule would settle on plain steps for this tiny pair
         forget_learned_state(drafter)
         out = treeflash_generate(
-            target, drafter, prompt, max_new_tokens=NEW_TOKENS, do_sample=True, temperature=TEMPERATURE,
-            top_p=TOP_P, tree_mode=mode, tree_budget=budget, tree_top_m=VOCAB, tree_top_k=VOCAB, tree_lookup=lookup,
+            target, drafter, prompt.repeat(rows, 1), max_new_tokens=NEW_TOKENS, do_sample=True,
+            temperature=TEMPERATURE, top_p=TOP_P, tree_mode=mode, tree_budget=budget, tree_top_m=VOCAB,
+            tree_top_k=VOCAB, tree_lookup=lookup, pad_token_id=0,
         )
-        outcome = tuple(out.sequences[0, prompt.shape[1]:].tolist())
-        counts[outcome] = counts.get(outcome, 0) + 1
+        for outcome in out.sequences[:, prompt.shape[1]:].tolist():
+            counts[tuple(outcome)] = counts.get(tuple(outcome), 0) + 1
         accepted_total += sum(out.accepted_lengths)
     assert accepted_total > SAMPLES // 20, "the drafts were almost never accepted: the test would not exercise them"
     assert chi_square_p(counts, expected, SAMPLES) > ALPHA

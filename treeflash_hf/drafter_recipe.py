@@ -20,8 +20,9 @@ Recalibration (`--target-quant SPEC`): the same recipe fits a trained drafter to
 `windows` takes the first `--recalibration-windows` training windows (and the held-out ones) of the full-precision
 store (`--windows-from`), `features` runs the quantized target over them in its own float32 compute, `ar`
 fine-tunes the AR layer of `--init` (the bundled drafter; the backbone stays frozen, as the paper's cheap
-recalibration), and `export` writes it to `--out` (default `<work>/drafter`). Work goes to
-`reference_work/smollm2-SPEC` by default.
+recalibration), and `export` writes it to `--out` (default `<work>/drafter`). `--stages ... backbone ar ...` also
+fine-tunes the backbone of `--init` first (at `--lr`), for a quantizer that moves the target's features more than the
+AR layer alone can follow. Work goes to `reference_work/smollm2-SPEC` by default.
 """
 
 from __future__ import annotations
@@ -36,7 +37,8 @@ import numpy as np
 import torch
 
 STAGES = ("distill", "windows", "features", "backbone", "ar", "export")
-RECALIBRATION_STAGES = ("windows", "features", "ar", "export")
+RECALIBRATION_STAGES = ("windows", "features", "ar", "export")  # the default; `backbone` may be asked for too
+RECALIBRATION_ALLOWED = ("windows", "features", "backbone", "ar", "export")
 MASK_TOKEN = "<empty_output>"  # id 16: a special token never used in chat; the target's embeddings are frozen
 
 
@@ -251,9 +253,9 @@ def run(args: argparse.Namespace) -> int:
     out = Path(args.out or (work / "drafter" if recalibrating else SMOLLM2_DRAFTER))
     if args.stages is None:
         args.stages = list(RECALIBRATION_STAGES if recalibrating else STAGES)
-    if recalibrating and not set(args.stages) <= set(RECALIBRATION_STAGES):
-        raise SystemExit("error: recalibration (--target-quant) runs the stages windows, features, ar and export: "
-                         "the data and the backbone are the full-precision drafter's.")
+    if recalibrating and not set(args.stages) <= set(RECALIBRATION_ALLOWED):
+        raise SystemExit("error: recalibration (--target-quant) runs the stages windows, features, (backbone,) ar "
+                         "and export: the data are the full-precision drafter's.")
     work.mkdir(parents=True, exist_ok=True)
     target, tokenizer = load_target(args)
     summary_file = work / "summary.json"
@@ -294,8 +296,8 @@ def run(args: argparse.Namespace) -> int:
     for stage in ("backbone", "ar"):
         if stage in args.stages:
             store = FeatureStore(store_dir, seed=args.seed, chat_fraction=args.chat_fraction)
-            if stage == "ar" and not recalibrating:
-                load_stage(drafter, run_dirs["backbone"])
+            if stage == "ar" and (not recalibrating or latest_checkpoint(run_dirs["backbone"]) is not None):
+                load_stage(drafter, run_dirs["backbone"])  # (a recalibration without one keeps --init's backbone)
             if stage == "backbone" and args.backbone_init and latest_checkpoint(run_dirs["backbone"]) is None:
                 load_stage(drafter, work / args.backbone_init)  # a new schedule continuing an earlier backbone
             minutes = args.backbone_minutes if stage == "backbone" else args.ar_minutes
@@ -308,8 +310,8 @@ def run(args: argparse.Namespace) -> int:
     if "export" in args.stages:
         load_stage(drafter, run_dirs["ar"])
         backbone = stage_key("backbone", args.backbone_run)
-        history = [backbone]
-        while (earlier := summary.get(history[0], {}).get("continues")) is not None:
+        history = [backbone] if backbone in summary or not recalibrating else []
+        while history and (earlier := summary.get(history[0], {}).get("continues")) is not None:
             history.insert(0, earlier)
         export(drafter, out, summary, args.target_quant, history + [stage_key("ar", args.ar_run)])
     return 0
@@ -371,7 +373,8 @@ def export(drafter, out: Path, summary: dict, target_quant: str = "none",
     if target_quant != "none":
         from .quantize import describe
 
-        title += (f" Recalibrated (`--target-quant {target_quant}`: AR layer fine-tuned) for the target quantized "
+        tuned = "backbone and AR layer" if any(key.startswith("backbone") for key in stages) else "AR layer"
+        title += (f" Recalibrated (`--target-quant {target_quant}`: {tuned} fine-tuned) for the target quantized "
                   f"by {describe(target_quant)}.")
     write_readme(out, title, stages, sum(p.numel() for p in drafter.parameters()),
                  torch.bfloat16, recipe="reference train-drafter")
