@@ -87,6 +87,7 @@ def test_a_recalibration_store_reuses_the_first_windows_for_another_target(tiny,
     copy_windows(tmp_path / "full", tmp_path / "recal", 2, layers, hidden, top_k=4)
     meta = json.loads((tmp_path / "recal" / "store.json").read_text())
     assert meta["windows"] == 4 and meta["heldout"] == 2 and meta["done"] == 0
+    assert meta["chat_chunks"] == []  # none of its own yet: the quantized target's own answers may grow it
     assert fill_store(target, tmp_path / "recal", batch_size=4, autocast=False) == 4
     ids, _, context, teacher = FeatureStore(tmp_path / "recal").rows(np.arange(4))
     assert torch.equal(ids, torch.from_numpy(windows[:4]).long())

@@ -22,7 +22,10 @@ store (`--windows-from`), `features` runs the quantized target over them in its 
 fine-tunes the AR layer of `--init` (the bundled drafter; the backbone stays frozen, as the paper's cheap
 recalibration), and `export` writes it to `--out` (default `<work>/drafter`). `--stages ... backbone ar ...` also
 fine-tunes the backbone of `--init` first (at `--lr`), for a quantizer that moves the target's features more than the
-AR layer alone can follow. Work goes to `reference_work/smollm2-SPEC` by default.
+AR layer alone can follow. `--stages distill windows features ar export` first answers training requests with the
+quantized target itself (its own greedy text, in its own compute; from `--distill-from`, past the requests whose
+answers hold the held-out windows) and appends them to the store as training windows, so the drafter also learns
+the text it will be asked to draft. Work goes to `reference_work/smollm2-SPEC` by default.
 """
 
 from __future__ import annotations
@@ -37,8 +40,7 @@ import numpy as np
 import torch
 
 STAGES = ("distill", "windows", "features", "backbone", "ar", "export")
-RECALIBRATION_STAGES = ("windows", "features", "ar", "export")  # the default; `backbone` may be asked for too
-RECALIBRATION_ALLOWED = ("windows", "features", "backbone", "ar", "export")
+RECALIBRATION_STAGES = ("windows", "features", "ar", "export")  # the default; distill and backbone may be asked for
 MASK_TOKEN = "<empty_output>"  # id 16: a special token never used in chat; the target's embeddings are frozen
 
 
@@ -57,17 +59,21 @@ def load_target(args: argparse.Namespace):
     return target, AutoTokenizer.from_pretrained(folder)
 
 
-def distill(target, tokenizer, work: Path, args: argparse.Namespace) -> None:
-    """Answer the training requests greedily, `--distill-batch` at a time; each chunk is saved on its own
-    (`distill/chunk-NNNNN.json`, named by its first request: token ids and prompt length per request), so the stage
-    resumes by chunk. Batches are large: under autocast a decode step's cost is mostly casting the weights, which a
-    bigger batch shares."""
+def distill(target, tokenizer, work: Path, args: argparse.Namespace, autocast: bool = True,
+            requests_from: Path | None = None) -> None:
+    """Answer the training requests from `--distill-from` on greedily, `--distill-batch` at a time; each chunk is
+    saved on its own (`distill/chunk-NNNNN.json`, named by its first request: token ids and prompt length per
+    request), so the stage resumes by chunk. Batches are large: under autocast a decode step's cost is mostly casting
+    the weights, which a bigger batch shares (`autocast=False`: the target's own compute, for a quantized one).
+    `requests_from`: another work folder's `requests.json` to answer (the same requests, by another target)."""
     from .prompt_sets import training_requests
     from .reference import corpus_split
 
     out = work / "distill"
     out.mkdir(parents=True, exist_ok=True)
     requests_file = out / "requests.json"  # made once: parsing the corpus's docstrings takes minutes
+    if not requests_file.exists() and requests_from is not None and requests_from.exists():
+        requests_file.write_text(requests_from.read_text())
     if requests_file.exists():
         requests = json.loads(requests_file.read_text())
     else:
@@ -75,7 +81,7 @@ def distill(target, tokenizer, work: Path, args: argparse.Namespace) -> None:
         requests_file.write_text(json.dumps(requests))
     tokenizer.padding_side = "left"
     started = time.time()
-    for start in range(0, len(requests), args.distill_batch):
+    for start in range(args.distill_from, len(requests), args.distill_batch):
         path = out / f"chunk-{start:05d}.json"  # named by its first request: a rerun may change the batch size
         if path.exists():
             continue
@@ -85,7 +91,7 @@ def distill(target, tokenizer, work: Path, args: argparse.Namespace) -> None:
         messages = [[{"role": "user", "content": text}] for text in requests[start : start + args.distill_batch]]
         batch = tokenizer.apply_chat_template(messages, add_generation_prompt=True, return_tensors="pt",
                                               padding=True, return_dict=True)
-        with torch.no_grad(), torch.autocast("cpu", dtype=torch.bfloat16):
+        with torch.no_grad(), torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast):
             generated = target.generate(**batch, max_new_tokens=args.distill_tokens, do_sample=False)
         rows = []
         prompt_width = batch["input_ids"].shape[1]
@@ -253,9 +259,6 @@ def run(args: argparse.Namespace) -> int:
     out = Path(args.out or (work / "drafter" if recalibrating else SMOLLM2_DRAFTER))
     if args.stages is None:
         args.stages = list(RECALIBRATION_STAGES if recalibrating else STAGES)
-    if recalibrating and not set(args.stages) <= set(RECALIBRATION_ALLOWED):
-        raise SystemExit("error: recalibration (--target-quant) runs the stages windows, features, (backbone,) ar "
-                         "and export: the data are the full-precision drafter's.")
     work.mkdir(parents=True, exist_ok=True)
     target, tokenizer = load_target(args)
     summary_file = work / "summary.json"
@@ -267,7 +270,8 @@ def run(args: argparse.Namespace) -> int:
 
     if "distill" in args.stages:
         started = time.time()
-        distill(target, tokenizer, work, args)
+        distill(target, tokenizer, work, args, autocast=not recalibrating,
+                requests_from=Path(args.windows_from).parent / "distill" / "requests.json" if recalibrating else None)
         record("distill_minutes", summary.get("distill_minutes", 0.0) + (time.time() - started) / 60)
     store_dir = work / "features"
     drafter = initial_drafter(args.init, target) if recalibrating else new_drafter(target, args, tokenizer)
@@ -283,7 +287,7 @@ def run(args: argparse.Namespace) -> int:
             create_store(store_dir, windows, masks, layer_ids, target.config.hidden_size, args.top_k, heldout,
                          chat_chunks=sizes["chat_chunks"])
             record("data", sizes)
-    elif "windows" in args.stages and not recalibrating:
+    elif "windows" in args.stages:  # (a recalibration store grows by the quantized target's own answers)
         if (added := add_chat_windows(work, store_dir, args)) is not None:
             record("data_added", summary.get("data_added", []) + [added])
     if "features" in args.stages:
@@ -310,8 +314,8 @@ def run(args: argparse.Namespace) -> int:
     if "export" in args.stages:
         load_stage(drafter, run_dirs["ar"])
         backbone = stage_key("backbone", args.backbone_run)
-        history = [backbone] if backbone in summary or not recalibrating else []
-        while history and (earlier := summary.get(history[0], {}).get("continues")) is not None:
+        history = [backbone]  # (export keeps only the entries the summary has)
+        while (earlier := summary.get(history[0], {}).get("continues")) is not None:
             history.insert(0, earlier)
         export(drafter, out, summary, args.target_quant, history + [stage_key("ar", args.ar_run)])
     return 0
@@ -401,6 +405,8 @@ def add_parser(subparsers) -> None:
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--distill-requests", type=int, default=2048)
     parser.add_argument("--distill-batch", type=int, default=128)
+    parser.add_argument("--distill-from", type=int, default=0, help="the first request to answer (a recalibration: past the first ~10, "
+                                                            "whose dense answers hold the held-out chat windows; 128 used)")
     parser.add_argument("--distill-tokens", type=int, default=192, help="new tokens per answer at most")
     parser.add_argument("--distill-minutes", type=float, default=15)
     parser.add_argument("--code-tokens", type=int, default=600_000)

@@ -151,7 +151,8 @@ def copy_windows(source: str | Path, folder: str | Path, count: int, layer_ids: 
     stop = min(int(source_meta["windows"]), heldout + count)
     windows = np.load(Path(source) / "windows.npy", mmap_mode="r")[:stop]
     loss_mask = np.load(Path(source) / "loss_mask.npy", mmap_mode="r")[:stop]
-    create_store(folder, np.asarray(windows), np.asarray(loss_mask), layer_ids, hidden_size, top_k, heldout)
+    create_store(folder, np.asarray(windows), np.asarray(loss_mask), layer_ids, hidden_size, top_k, heldout,
+                 chat_chunks=[])  # (no distilled chunk of its own yet: a later one may grow it, `extend_store`)
 
 
 @torch.no_grad()
