@@ -7,7 +7,7 @@ session; a stage whose output exists is skipped):
    the evaluation set, never HumanEval), batched, saved chunk by chunk.
 2. `windows`: fixed windows of `--seq-len + 1` tokens: the chat answers (loss on the answer tokens only) and the
    code corpus (`reference.corpus_split`: standard library and site-packages, reserved packages excluded), shuffled;
-   the first windows (held-out code and the last chat answers) are the held-out set. On an existing store, the
+   the first windows (held-out code and the first chat answers) are the held-out set. On an existing store, the
    distilled chunks it does not list yet (a later `distill` run) are appended as new training windows.
 3. `features`: the frozen target runs once over every window (`training/features.py`): context features and its
    top-K next-token log-probs, kept for every epoch of the stages below.
@@ -405,8 +405,9 @@ def add_parser(subparsers) -> None:
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--distill-requests", type=int, default=2048)
     parser.add_argument("--distill-batch", type=int, default=128)
-    parser.add_argument("--distill-from", type=int, default=0, help="the first request to answer (a recalibration: past the first ~10, "
-                                                            "whose dense answers hold the held-out chat windows; 128 used)")
+    parser.add_argument("--distill-from", type=int, default=0,
+                        help="the first request to answer (a recalibration: past the first ~10, whose dense answers "
+                             "hold the held-out chat windows; 128 used)")
     parser.add_argument("--distill-tokens", type=int, default=192, help="new tokens per answer at most")
     parser.add_argument("--distill-minutes", type=float, default=15)
     parser.add_argument("--code-tokens", type=int, default=600_000)
