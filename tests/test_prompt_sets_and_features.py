@@ -8,7 +8,8 @@ import pytest
 import torch
 
 from treeflash_hf import reference
-from treeflash_hf.prompt_sets import PromptFileError, eval_requests, load_prompts, training_requests
+from treeflash_hf.prompt_sets import (PromptFileError, eval_requests, grow_training_requests, load_prompts,
+                                     training_requests)
 from treeflash_hf.training.drafter import DrafterLossConfig, block_loss_terms, drafter_loss_terms, sample_anchors
 from treeflash_hf.training.features import FeatureStore, copy_windows, create_store, fill_store
 
@@ -44,6 +45,17 @@ def test_instruction_set_is_held_out_from_training_requests():
     training = training_requests(code, count=40, seed=1)
     assert len(training) == 40 and not set(training) & set(requests)
     assert any("area(width, height)" in r for r in training)  # a code request from the corpus's docstring
+
+
+def test_grown_training_requests_keep_the_first_and_add_new_ones():
+    code = [f'def f{i}(x):\n    """Return the number x plus the constant {i}."""\n    return x + {i}\n' for i in range(30)]
+    first = training_requests(code, count=20, seed=3)
+    grown = grow_training_requests(code, first, count=60, seed=3)
+    assert grown[:20] == first and len(grown) == 60 and len(set(grown)) == 60
+    assert not set(grown) & set(eval_requests())
+    new_functions = {f"f{i}(" for i in range(30) if any(f"f{i}(" in r for r in grown[20:])}
+    assert new_functions - {f"f{i}(" for i in range(30) if any(f"f{i}(" in r for r in first)}  # unseen functions
+    assert grow_training_requests(code, [], count=20, seed=3) == first  # an empty list grows into the first set
 
 
 @pytest.fixture(scope="module")

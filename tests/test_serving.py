@@ -13,7 +13,8 @@ import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from treeflash_hf import reference
-from treeflash_hf.serve_bench import (closed_loop, format_load_table, format_table, percentile, stream_completion,
+from treeflash_hf.serve_bench import (closed_loop, format_load_table, format_table, merge_rounds, percentile,
+                                      stream_completion,
                                      text_divergences, time_servers)
 from treeflash_hf.serving import running_server, stop_server
 
@@ -129,6 +130,24 @@ def test_the_load_test_runs_closed_loops_of_clients(server, expected):
     assert "1: 1.50x tokens/s, 1.00x TTFT, 2: 1.25x tokens/s" in table, table
     assert "3.0 (NOT identical: 1 beyond a near-tie)" in table and "5.0 (1 near-tie)" in table
     assert "runs plain: yes" in table
+
+
+def test_load_rounds_merge_into_a_level_with_paired_ratios():
+    """Rounds of a level: tokens/s is the median round's, latencies pool every request, and the table reports the
+    round-by-round ratios of the two servers next to the ratio of the medians."""
+    def round_of(rate, first):
+        return {"clients": 2, "requests": len(first), "wall_s": 1.0, "tokens_per_s": rate, "first_token_ms": first,
+                "first_token_ms_median": 0.0, "first_token_ms_p90": 0.0}
+
+    plain = merge_rounds([round_of(10.0, [100.0, 300.0]), round_of(20.0, [200.0]), round_of(12.0, [400.0])])
+    fast = merge_rounds([round_of(11.0, [50.0]), round_of(30.0, [60.0, 70.0]), round_of(18.0, [80.0])])
+    assert plain["tokens_per_s"] == 12.0 and plain["requests"] == 4 and plain["rounds"] == 3
+    assert plain["first_token_ms_median"] == 250.0 and plain["first_token_ms_p90"] == 400.0
+    report = {"prompts": 2, "max_tokens": 8, "dtype": "float32", "concurrency": [2],
+              "levels": {"plain_cb": [{**plain, "identical_texts": True}],
+                         "treeflash_cb": [{**fast, "identical_texts": True}]}}
+    table = format_load_table(report)  # ratios by round: 1.10, 1.50, 1.50
+    assert "2: 1.50x tokens/s (rounds: median 1.50x, 1.10-1.50x), 0.26x TTFT" in table, table
 
 
 def test_serve_bench_shows_where_texts_diverge(expected):

@@ -13,7 +13,8 @@ session; a stage whose output exists is skipped):
    top-K next-token log-probs, kept for every epoch of the stages below.
 4. `backbone`, then `ar`: the drafter stages of `training/drafter.py`, from the cached features (`--chat-fraction`:
    that share of each batch from chat windows; `--backbone-init RUN` starts a new `--backbone-run` schedule from an
-   earlier backbone run, a continuation on grown data).
+   earlier backbone run, a continuation on grown data; `--ar-init RUN` starts a new `--ar-run` from an earlier AR
+   layer on that backbone).
 5. `export`: the drafter in bfloat16 with its tree defaults, README and training summary, into `--out`.
 
 Recalibration (`--target-quant SPEC`): the same recipe fits a trained drafter to a quantized copy of the target.
@@ -66,7 +67,7 @@ def distill(target, tokenizer, work: Path, args: argparse.Namespace, autocast: b
     request), so the stage resumes by chunk. Batches are large: under autocast a decode step's cost is mostly casting
     the weights, which a bigger batch shares (`autocast=False`: the target's own compute, for a quantized one).
     `requests_from`: another work folder's `requests.json` to answer (the same requests, by another target)."""
-    from .prompt_sets import training_requests
+    from .prompt_sets import grow_training_requests
     from .reference import corpus_split
 
     out = work / "distill"
@@ -74,10 +75,10 @@ def distill(target, tokenizer, work: Path, args: argparse.Namespace, autocast: b
     requests_file = out / "requests.json"  # made once: parsing the corpus's docstrings takes minutes
     if not requests_file.exists() and requests_from is not None and requests_from.exists():
         requests_file.write_text(requests_from.read_text())
-    if requests_file.exists():
-        requests = json.loads(requests_file.read_text())
-    else:
-        requests = training_requests(corpus_split(site_packages=True)["train"], args.distill_requests, seed=args.seed)
+    requests = json.loads(requests_file.read_text()) if requests_file.exists() else []
+    if len(requests) < args.distill_requests and requests_from is None:  # new, or grown by a larger --distill-requests
+        requests = grow_training_requests(corpus_split(site_packages=True)["train"], requests,
+                                          args.distill_requests, seed=args.seed)
         requests_file.write_text(json.dumps(requests))
     tokenizer.padding_side = "left"
     started = time.time()
@@ -304,12 +305,17 @@ def run(args: argparse.Namespace) -> int:
                 load_stage(drafter, run_dirs["backbone"])  # (a recalibration without one keeps --init's backbone)
             if stage == "backbone" and args.backbone_init and latest_checkpoint(run_dirs["backbone"]) is None:
                 load_stage(drafter, work / args.backbone_init)  # a new schedule continuing an earlier backbone
+            if stage == "ar" and args.ar_init and latest_checkpoint(run_dirs["ar"]) is None:
+                from .training.drafter import AR_PREFIX
+                load_stage(drafter, work / args.ar_init, only_prefix=AR_PREFIX)  # warm start on a newer backbone
             minutes = args.backbone_minutes if stage == "backbone" else args.ar_minutes
             stage_summary = train_stage(stage, target, drafter, store, run_dirs[stage], args, minutes)
             stage_summary.update(windows_available=store.done, run=run_dirs[stage].name,
                                  chat_fraction=args.chat_fraction)
             if stage == "backbone" and args.backbone_init:
                 stage_summary["continues"] = stage_key("backbone", args.backbone_init)
+            if stage == "ar" and args.ar_init:
+                stage_summary["ar_layer_from"] = stage_key("ar", args.ar_init)
             record(stage_key(stage, args.backbone_run if stage == "backbone" else args.ar_run), stage_summary)
     if "export" in args.stages:
         load_stage(drafter, run_dirs["ar"])
@@ -317,7 +323,10 @@ def run(args: argparse.Namespace) -> int:
         history = [backbone]  # (export keeps only the entries the summary has)
         while (earlier := summary.get(history[0], {}).get("continues")) is not None:
             history.insert(0, earlier)
-        export(drafter, out, summary, args.target_quant, history + [stage_key("ar", args.ar_run)])
+        ar_history = [stage_key("ar", args.ar_run)]  # (an AR layer warm-started from an earlier one: that one first)
+        while (earlier := summary.get(ar_history[0], {}).get("ar_layer_from")) is not None:
+            ar_history.insert(0, earlier)
+        export(drafter, out, summary, args.target_quant, history + ar_history)
     return 0
 
 
@@ -343,14 +352,18 @@ def initial_drafter(path: str, target):
     return drafter
 
 
-def load_stage(drafter, run_dir: Path) -> None:
-    """The drafter weights of the last checkpoint of a stage."""
+def load_stage(drafter, run_dir: Path, only_prefix: str | None = None) -> None:
+    """The drafter weights of the last checkpoint of a stage (`only_prefix`: only the parameters whose names start
+    with it, the rest kept)."""
     from .training.checkpoint import latest_checkpoint, load_checkpoint
 
     checkpoint = latest_checkpoint(run_dir)
     if checkpoint is None:
         raise FileNotFoundError(f"No checkpoint in {run_dir}: run the stage before the next one.")
-    drafter.load_state_dict(load_checkpoint(checkpoint)["model"])
+    weights = load_checkpoint(checkpoint)["model"]
+    if only_prefix is not None:
+        weights = {**drafter.state_dict(), **{k: v for k, v in weights.items() if k.startswith(only_prefix)}}
+    drafter.load_state_dict(weights)
 
 
 def export(drafter, out: Path, summary: dict, target_quant: str = "none",
@@ -403,7 +416,8 @@ def add_parser(subparsers) -> None:
                         help=f"default: {' '.join(STAGES)}; {' '.join(RECALIBRATION_STAGES)} with --target-quant")
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--distill-requests", type=int, default=2048)
+    parser.add_argument("--distill-requests", type=int, default=2048,
+                        help="training requests (a larger count later appends new ones to the work folder's list)")
     parser.add_argument("--distill-batch", type=int, default=128)
     parser.add_argument("--distill-from", type=int, default=0,
                         help="the first request to answer (a recalibration: past the first ~10, whose dense answers "
@@ -427,6 +441,8 @@ def add_parser(subparsers) -> None:
     parser.add_argument("--ar-run", default="run-ar", help="the ar stage's folder in --work (export reads it)")
     parser.add_argument("--backbone-init", help="a backbone run folder in --work whose last checkpoint starts a new "
                                                 "--backbone-run schedule (a continuation on new data)")
+    parser.add_argument("--ar-init", help="an ar run folder in --work whose AR layer starts a new --ar-run (a warm "
+                                          "start on a continued backbone)")
     parser.add_argument("--chat-fraction", type=float,
                         help="share of each batch drawn from chat windows (default: uniform over all windows)")
     parser.set_defaults(func=run)

@@ -118,9 +118,17 @@ def docstring_functions(text: str) -> list[tuple[str, str, str]]:
 def training_requests(code_texts: list[str], count: int, seed: int = 0) -> list[str]:
     """`count` training requests: half code requests from the docstrings of `code_texts` (the training corpus),
     a quarter questions over `_TOPICS`, a quarter arithmetic word problems with random numbers."""
+    return requests_for(documented_functions(code_texts), count, seed)
+
+
+def documented_functions(code_texts: list[str]) -> list[tuple[str, str, str]]:
+    """`docstring_functions` of every text, deduplicated, in a fixed order (by hash: unrelated to the corpus's)."""
+    return sorted({f for text in code_texts for f in docstring_functions(text)},
+                  key=lambda f: hashlib.sha1("".join(f).encode()).hexdigest())
+
+
+def requests_for(functions: list[tuple[str, str, str]], count: int, seed: int) -> list[str]:
     rng = random.Random(seed)
-    functions = sorted({f for text in code_texts for f in docstring_functions(text)},
-                       key=lambda f: hashlib.sha1("".join(f).encode()).hexdigest())
     requests = []
     for name, signature, summary in functions[: count // 2]:
         requests.append(rng.choice(_CODE_TEMPLATES).format(name=name, signature=signature, summary=summary))
@@ -132,6 +140,23 @@ def training_requests(code_texts: list[str], count: int, seed: int = 0) -> list[
     overlap = set(requests) & set(eval_requests())
     assert not overlap, f"training requests overlap the evaluation set: {sorted(overlap)[:3]}"
     return requests
+
+
+def grow_training_requests(code_texts: list[str], requests: list[str], count: int, seed: int = 0) -> list[str]:
+    """`requests` (an earlier `training_requests(code_texts, len(requests), seed)`, possibly empty) followed by new
+    requests up to `count`: those of `training_requests(code_texts, count, seed)` not already in it. The code
+    requests of the larger set begin with the same functions in the same templates, so the new ones are new
+    functions; questions and arithmetic problems that repeat are dropped, and fresh ones (other seeds) fill up."""
+    functions = documented_functions(code_texts)  # (parsing the corpus is the slow part: once)
+    grown, known = list(requests), set(requests)
+    for attempt in range(8):
+        if len(grown) >= count:
+            break
+        for request in requests_for(functions, count, seed=seed + attempt * 1_000_003):
+            if len(grown) < count and request not in known:
+                grown.append(request)
+                known.add(request)
+    return grown
 
 
 def arithmetic_problem(rng: random.Random) -> str:

@@ -120,19 +120,31 @@ def closed_loop(client, model: str, prompts: list[str], max_tokens: int, clients
     return {"clients": clients, "requests": requests, "wall_s": wall_s,
             "tokens_per_s": sum(run["tokens"] for _, run in runs) / wall_s,
             "first_token_ms_median": statistics.median(first), "first_token_ms_p90": percentile(first, 0.9),
-            "texts": {index: run["text"] for index, run in runs}}
+            "first_token_ms": first, "texts": {index: run["text"] for index, run in runs}}
+
+
+def merge_rounds(rounds: list[dict]) -> dict:
+    """One load level from several `closed_loop` rounds of a server: tokens/s the median round's, first-token
+    median and p90 over every request of every round; `round_tokens_per_s` keeps each round's rate."""
+    first = [ms for level in rounds for ms in level["first_token_ms"]]
+    return {"clients": rounds[0]["clients"], "requests": sum(level["requests"] for level in rounds),
+            "wall_s": sum(level["wall_s"] for level in rounds), "rounds": len(rounds),
+            "tokens_per_s": statistics.median(level["tokens_per_s"] for level in rounds),
+            "round_tokens_per_s": [level["tokens_per_s"] for level in rounds],
+            "first_token_ms_median": statistics.median(first), "first_token_ms_p90": percentile(first, 0.9)}
 
 
 def run_load_bench(folder: Path, prompts: list[str], max_tokens: int, concurrency: list[int], requests: int,
-                   dtype: str, device: str, servers: list[str]) -> dict:
-    """Every server of `servers` (`LOAD_SERVERS`) started and warmed up; then, level by level of `concurrency`, each
-    server in turn runs `closed_loop` with `max(requests, 2 * clients)` requests. Afterwards every text is compared
-    with offline greedy decoding of its prompt alone (the plain target's `generate()` in `dtype`), each divergence
-    classified as a near-tie of the target or not (`text_divergences`)."""
+                   dtype: str, device: str, servers: list[str], rounds: int = 1) -> dict:
+    """Every server of `servers` (`LOAD_SERVERS`) started and warmed up; then, level by level of `concurrency`,
+    `rounds` times, each server in turn runs `closed_loop` with `max(requests, 2 * clients)` requests (the order
+    alternating from round to round, so that a ratio of two servers' rounds is measured side by side). Afterwards
+    every text is compared with offline greedy decoding of its prompt alone (the plain target's `generate()` in
+    `dtype`), each divergence classified as a near-tie of the target or not (`text_divergences`)."""
     import openai
 
     levels: dict[str, list[dict]] = {name: [] for name in servers}
-    texts_by_level: dict[str, list[dict[int, str]]] = {name: [] for name in servers}
+    texts_by_level: dict[str, list[list[dict[int, str]]]] = {name: [] for name in servers}  # per level, per round
     with contextlib.ExitStack() as stack:
         clients_of = {}
         for name in servers:  # all up at once (an idle server waits on an event), so levels interleave
@@ -143,14 +155,20 @@ def run_load_bench(folder: Path, prompts: list[str], max_tokens: int, concurrenc
             stream_completion(client, server.model, prompts[0], max_tokens=min(8, max_tokens))  # one-time costs
             clients_of[name] = (client, server)
         for step, clients in enumerate(concurrency):
-            # the servers take turns, in alternating order, so that drift of the machine hits them alike
-            for name in servers if step % 2 == 0 else servers[::-1]:
-                client, server = clients_of[name]
-                level = closed_loop(client, server.model, prompts, max_tokens, clients, max(requests, 2 * clients))
-                texts_by_level[name].append(level.pop("texts"))
-                levels[name].append(level)
-                print(f"{name:13s} {clients:3d} clients: {level['tokens_per_s']:6.1f} tok/s, first token "
-                      f"{level['first_token_ms_median']:.0f} ms (p90 {level['first_token_ms_p90']:.0f})", flush=True)
+            runs: dict[str, list[dict]] = {name: [] for name in servers}
+            for round_index in range(rounds):
+                # the servers take turns, in alternating order, so that drift of the machine hits them alike
+                for name in servers if (step + round_index) % 2 == 0 else servers[::-1]:
+                    client, server = clients_of[name]
+                    level = closed_loop(client, server.model, prompts, max_tokens, clients,
+                                        max(requests, 2 * clients))
+                    runs[name].append(level)
+                    print(f"{name:13s} {clients:3d} clients: {level['tokens_per_s']:6.1f} tok/s, first token "
+                          f"{level['first_token_ms_median']:.0f} ms (p90 {level['first_token_ms_p90']:.0f})",
+                          flush=True)
+            for name in servers:
+                texts_by_level[name].append([level.pop("texts") for level in runs[name]])
+                levels[name].append(merge_rounds(runs[name]))
         warned_plain = None  # whether the TreeFlash folder under continuous batching said that it runs plain
         if "treeflash_cb" in clients_of:
             warned_plain = "TreeFlash is off for continuous batching" in clients_of["treeflash_cb"][1].log_tail(200_000)
@@ -168,7 +186,8 @@ def compare_with_offline(folder: Path, prompts: list[str], max_tokens: int, dtyp
 
     tokenizer = AutoTokenizer.from_pretrained(folder)
     target = AutoModelForCausalLM.from_pretrained(folder, dtype=dtype).eval()
-    served = sorted({index for server in texts_by_level.values() for texts in server for index in texts})
+    served = sorted({index for server in texts_by_level.values() for rounds in server for texts in rounds
+                     for index in texts})
     offline = {}
     for index in served:
         inputs = tokenizer(prompts[index], return_tensors="pt").to(target.device)
@@ -176,12 +195,22 @@ def compare_with_offline(folder: Path, prompts: list[str], max_tokens: int, dtyp
             new = target.generate(**inputs, max_new_tokens=max_tokens, do_sample=False)[0, inputs["input_ids"].shape[1]:]
         offline[index] = tokenizer.decode(new, skip_special_tokens=True)
     for name, server in texts_by_level.items():
-        for level, texts in zip(levels[name], server):
-            indices = sorted(texts)
-            level["identical_texts"] = all(texts[i] == offline[i] for i in indices)
-            level["divergences"] = text_divergences(target, tokenizer, [prompts[i] for i in indices],
-                                                    [offline[i] for i in indices], [texts[i] for i in indices])
+        for level, rounds in zip(levels[name], server):
+            level["identical_texts"], level["divergences"] = True, []
+            for texts in rounds:
+                indices = sorted(texts)
+                level["identical_texts"] &= all(texts[i] == offline[i] for i in indices)
+                level["divergences"] += text_divergences(target, tokenizer, [prompts[i] for i in indices],
+                                                         [offline[i] for i in indices], [texts[i] for i in indices])
     return offline
+
+
+def paired_ratios(fast: dict, plain: dict) -> str:
+    """` (rounds: median r, min-max)` of the two servers' round-by-round tokens/s ratios, '' for one round."""
+    pairs = [a / b for a, b in zip(fast.get("round_tokens_per_s", []), plain.get("round_tokens_per_s", []))]
+    if len(pairs) < 2:
+        return ""
+    return f" (rounds: median {statistics.median(pairs):.2f}x, {min(pairs):.2f}-{max(pairs):.2f}x)"
 
 
 def format_load_table(report: dict) -> str:
@@ -205,7 +234,8 @@ def format_load_table(report: dict) -> str:
     levels = report["levels"]
     for name in ("treeflash", "treeflash_cb"):
         if "plain_cb" in names and name in names:
-            ratios = ", ".join(f"{clients}: {fast['tokens_per_s'] / plain['tokens_per_s']:.2f}x tokens/s, "
+            ratios = ", ".join(f"{clients}: {fast['tokens_per_s'] / plain['tokens_per_s']:.2f}x tokens/s"
+                               f"{paired_ratios(fast, plain)}, "
                                f"{fast['first_token_ms_median'] / plain['first_token_ms_median']:.2f}x TTFT"
                                for clients, fast, plain in zip(report["concurrency"], levels[name], levels["plain_cb"]))
             rows.append(f"\n{name} / plain_cb by clients: {ratios}")
@@ -322,7 +352,7 @@ def run(args: argparse.Namespace) -> int:
     prompts = load_prompts(prompt_set, args.num_prompts, AutoTokenizer.from_pretrained(folder))
     if args.concurrency:
         report = run_load_bench(folder, prompts, args.max_tokens, args.concurrency, args.requests, args.dtype,
-                                args.device, args.servers)
+                                args.device, args.servers, args.rounds)
         print(format_load_table(report))
         if args.plot:
             print(f"wrote {plot_load(report, Path(args.plot))}")
@@ -352,6 +382,9 @@ def add_parser(subparsers) -> None:
                         help="the load test: closed loops of N clients on each of --servers, one server at a time")
     parser.add_argument("--requests", type=positive_int, default=8,
                         help="requests per load level (at least 2 per client)")
+    parser.add_argument("--rounds", type=positive_int, default=1,
+                        help="the load test: rounds per level, the servers alternating; tokens/s is the median "
+                             "round's, and the table adds the median of the round-by-round ratios")
     parser.add_argument("--servers", nargs="+", choices=list(LOAD_SERVERS), default=list(LOAD_SERVERS),
                         help="the load test's servers (default all)")
     parser.add_argument("--json", help="write the report here")

@@ -204,11 +204,14 @@ def drafter_loss(
     return loss, ratios({name: (float(num), float(den)) for name, (num, den) in terms.metrics.items()})
 
 
+AR_PREFIX = "ar_approximation."  # the AR layer's parameter names
+
+
 def freeze_for_stage(drafter, stage: str, full_finetune: bool = False) -> None:
     """Stage backbone trains everything but the AR layer; stage ar trains the AR layer only (or everything
     with `full_finetune`)."""
     for name, param in drafter.named_parameters():
-        is_ar = name.startswith("ar_approximation.")
+        is_ar = name.startswith(AR_PREFIX)
         param.requires_grad = (not is_ar) if stage == "backbone" else (is_ar or full_finetune)
 
 
