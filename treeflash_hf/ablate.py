@@ -34,10 +34,11 @@ VARIANTS = {
 
 def variant_drafter(base, overrides: dict):
     from .modeling.modeling_treeflash_drafter import TreeFlashDrafterModel
+    from .training.drafter import AR_PREFIX
 
     config = type(base.config).from_dict({**base.config.to_dict(), **overrides})
     model = TreeFlashDrafterModel(config)
-    backbone = {k: v for k, v in base.state_dict().items() if not k.startswith("ar_approximation.")}
+    backbone = {k: v for k, v in base.state_dict().items() if not k.startswith(AR_PREFIX)}
     model.load_state_dict(backbone, strict=False)
     return model.eval()
 

@@ -19,6 +19,7 @@ from safetensors.torch import load_file
 
 from .modeling.configuration_treeflash_drafter import TreeFlashDrafterConfig
 from .modeling.modeling_treeflash_drafter import TreeFlashDrafterModel
+from .training.drafter import AR_PREFIX
 
 
 class ConversionError(ValueError):
@@ -84,7 +85,7 @@ def convert(src: str | Path, dst: str | Path | None = None) -> TreeFlashDrafterM
     model = TreeFlashDrafterModel(config)
     expected = model.state_dict()
     unknown = sorted(set(weights) - set(expected))
-    missing_backbone = sorted(k for k in set(expected) - set(weights) if not k.startswith("ar_approximation."))
+    missing_backbone = sorted(k for k in set(expected) - set(weights) if not k.startswith(AR_PREFIX))
     if unknown or missing_backbone:
         raise ConversionError(f"Weights do not fit a DFlash drafter: unexpected {unknown[:5]}, "
                               f"missing {missing_backbone[:5]}.")

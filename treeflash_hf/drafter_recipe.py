@@ -319,14 +319,9 @@ def run(args: argparse.Namespace) -> int:
             record(stage_key(stage, args.backbone_run if stage == "backbone" else args.ar_run), stage_summary)
     if "export" in args.stages:
         load_stage(drafter, run_dirs["ar"])
-        backbone = stage_key("backbone", args.backbone_run)
-        history = [backbone]  # (export keeps only the entries the summary has)
-        while (earlier := summary.get(history[0], {}).get("continues")) is not None:
-            history.insert(0, earlier)
-        ar_history = [stage_key("ar", args.ar_run)]  # (an AR layer warm-started from an earlier one: that one first)
-        while (earlier := summary.get(ar_history[0], {}).get("ar_layer_from")) is not None:
-            ar_history.insert(0, earlier)
-        export(drafter, out, summary, args.target_quant, history + ar_history)
+        export(drafter, out, summary, args.target_quant,
+               stage_history(summary, stage_key("backbone", args.backbone_run), "continues")
+               + stage_history(summary, stage_key("ar", args.ar_run), "ar_layer_from"))
     return 0
 
 
@@ -334,6 +329,15 @@ def stage_key(stage: str, run: str) -> str:
     """A stage's entry in the work folder's `summary.json`: `backbone` / `ar` for the default runs, else
     `stage:run`."""
     return stage if run == f"run-{stage}" else f"{stage}:{run}"
+
+
+def stage_history(summary: dict, key: str, link: str) -> list[str]:
+    """`key` preceded by the stages it started from, earliest first, following each summary entry's `link` (a
+    backbone's `continues`, an AR run's `ar_layer_from`). Export keeps only the entries the summary has."""
+    history = [key]
+    while (earlier := summary.get(history[0], {}).get(link)) is not None:
+        history.insert(0, earlier)
+    return history
 
 
 def initial_drafter(path: str, target):

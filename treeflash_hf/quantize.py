@@ -3,8 +3,9 @@
 Every spec computes in float32 by default; the torchao specs also compute in bfloat16 (`compute_dtype`: on a CPU
 with bfloat16 matrix units a multi-token verification then costs little more than one token). torchao, bitsandbytes
 and optimum-quanto go through transformers' `quantization_config`: the loaded target's weights are loaded again into
-a fresh model with that config, exactly as `from_pretrained(..., quantization_config=...)` quantizes a checkpoint. HQQ, whose `HqqConfig` transformers 5.24 does
-not run ("HQQ is not available yet"), quantizes the loaded model's layers in place. lm_head stays as the backend's
+a fresh model with that config, exactly as `from_pretrained(..., quantization_config=...)` quantizes a checkpoint.
+HQQ, whose `HqqConfig` transformers 5.24 does not run ("HQQ is not available yet"), quantizes the loaded model's
+layers in place. lm_head stays as the backend's
 default leaves it (a plain, possibly tied, Linear for all of them) unless `quantize_head` asks for it too.
 The libraries are the `quant` extra: `pip install treeflash-hf[quant]`.
 """
