@@ -245,6 +245,47 @@ def test_auto_budget_learns_widths_from_accepted_paths():
     assert step_width(wide, [chain]) < 16 and wide.last_best < 16  # an ordinary choice is remembered
 
 
+def test_auto_budget_costs_verification_and_drafting_as_measured_at_each_batch_size():
+    """Continuous batching's failure mode: a batch's verification costs more than the one-row curve says, and deep
+    blocks cost more to draft; counted as a fixed overhead, both made the widths of large batches grow."""
+    chain = chain_tree(0, torch.arange(1, 16), torch.full((15,), -0.05))
+    curve = {1: 0.05, 8: 0.06, 16: 0.07, 32: 0.09, 64: 0.13, 128: 0.21}  # flat, then linear in total tokens
+
+    def settled(rows: int, verify_factor: float, seconds_per_position: float) -> AutoBudget:
+        """Steps of `rows` rows whose accepted paths run 0..12 nodes deep (rates falling with the place),
+        verification `verify_factor` times the curve, drafting 5 ms per row plus `seconds_per_position` per drafted
+        position and row; widths 8 and 12 alternate so that the rest of a step varies with its depth."""
+        budget = AutoBudget(curve, explore_every=10**6, warmup_steps=0)
+        for step in range(40):
+            width = (8, 12)[step % 2]
+            budget.built = width
+            paths = [list(range(1, 1 + min(width - 1, (row + step) % 13))) for row in range(rows)]
+            verify = verify_factor * budget.verify_cost(rows * width)
+            drafting = rows * (0.005 + seconds_per_position * (width - 1))
+            budget.observe([chain.prefix(width)] * rows, paths, seconds=verify + drafting, verify_seconds=verify)
+        budget.until_explore = 10**6
+        return budget
+
+    plain_costs = settled(8, verify_factor=1.0, seconds_per_position=0.0)
+    assert plain_costs.verify_scale[8] == pytest.approx(1.0) and plain_costs.depth_cost == 0.0
+    assert plain_costs.overheads(8, 2) == pytest.approx([0.04, 0.04])  # 8 rows x 5 ms, whatever the width
+    measured = settled(8, verify_factor=1.5, seconds_per_position=0.002)
+    assert measured.verify_scale[8] == pytest.approx(1.5)
+    assert measured.depth_cost == pytest.approx(0.002)  # fitted from the spread of depths at one batch size
+    overheads = measured.overheads(8, 12)
+    assert overheads[11] - overheads[7] == pytest.approx(8 * 0.002 * 4)  # 4 more positions for 8 rows
+    # both costs counted: a narrower width for the batch, each of them alone narrows it too
+    assert measured.plan(8) < plain_costs.plan(8)
+    assert settled(8, 1.5, 0.0).plan(8) < plain_costs.plan(8) and settled(8, 1.0, 0.002).plan(8) < \
+        plain_costs.plan(8)
+    # a batch size never measured takes the nearest one's figures, the overhead in proportion to the rows
+    assert measured.overheads(4, 12) == pytest.approx([overhead / 2 for overhead in overheads])
+    # the step scheduler trying the drafted kind asks for the width it would use: a due exploration waits
+    measured.until_explore = 0
+    assert measured.plan(8, may_explore=False) == measured.planned and not measured.exploring
+    assert measured.plan(8) > measured.planned and measured.exploring
+
+
 def test_auto_budget_decoding_is_lossless(models, tmp_path_factory):
     target, drafter, _ = models
     prompt = torch.tensor([[4, 8, 15, 16, 23, 42]])

@@ -111,6 +111,15 @@ def test_scheduler_skips_the_drafter_only_when_that_is_faster():
     assert [bounded.choose([None], lower_bounds={"plain": 0.004}) for _ in range(4)] == ["draft", "plain"] + \
         ["draft"] * 2  # it could still win at its bound: retried after its wait
     assert [bounded.choose([None], lower_bounds={"plain": 0.006}) for _ in range(8)] == ["draft"] * 8
+    # The scheduler says which of its choices are tries (an untried or a losing kind), so that a drafted try is
+    # built at the width the drafted kind would use rather than explored wider on top
+    tries = StepScheduler(allow_plain=True, explore_every=2)
+    assert tries.choose([None]) == "draft" and tries.explored  # untried
+    tries.observe("draft", seconds=0.010, accepted=[1], branch_expected=[None])
+    assert tries.choose([None]) == "plain" and tries.explored  # untried
+    tries.observe("plain", seconds=0.004, accepted=[0], branch_expected=[None])
+    assert [(tries.choose([None]), tries.explored) for _ in range(6)] == [("draft", True)] + [("plain", False)] * 3 \
+        + [("draft", True), ("plain", False)]  # drafting loses (2 tokens in 10 ms): tried after its waits
     # A batch step is judged on the batch: tokens summed over rows, times learned per number of rows.
     batched = StepScheduler(allow_plain=True, explore_every=1000)
     batched.observe("draft", seconds=0.010, accepted=[1], branch_expected=[None])

@@ -118,6 +118,31 @@ def test_called_head_and_its_shortlist_are_lossless(base_llama, drafter, monkeyp
     assert_lossless(target, drafter)
 
 
+def test_a_large_float32_head_scores_drafts_in_bfloat16_where_that_is_faster(monkeypatch):
+    """On a CPU whose bfloat16 products are faster (measured once per shape), the drafting side scores with a
+    bfloat16 copy of a large float32 head: the same logits up to bfloat16 rounding, the shortlist's rows from the
+    same copy; where they are not faster, or the head is small, it keeps the target's own weight."""
+    from treeflash_hf import draft
+
+    head = torch.nn.Linear(512, 8192, bias=False)  # 4M elements: as large as the copy needs
+    hidden = torch.randn(1, 16, 512)[:, 1:]  # a slice of drafter states, as drafting takes them
+    tokens = torch.randint(0, 8192, (1, 15, 64))
+    monkeypatch.setattr(draft, "bfloat16_product_is_faster", lambda *shape: False)
+    kept = TargetHead(head, 512, torch.device("cpu"), torch.float32)
+    assert kept.weight is head.weight
+    monkeypatch.setattr(draft, "bfloat16_product_is_faster", lambda *shape: True)
+    copied = TargetHead(head, 512, torch.device("cpu"), torch.float32)
+    assert copied.weight.dtype == torch.bfloat16 and copied.weight.shape == head.weight.shape
+    logits = copied.logits(hidden)
+    assert logits.dtype == torch.float32 and logits.shape == (1, 15, 8192)
+    torch.testing.assert_close(logits, kept.logits(hidden), atol=0.05, rtol=0.02)
+    assert (logits.argmax(-1) == kept.logits(hidden).argmax(-1)).float().mean() > 0.9
+    shortlisted = copied.shortlist_logits(hidden[:, :, None], tokens)  # one row per group: [1, 15, 1, 64]
+    torch.testing.assert_close(shortlisted[:, :, 0], logits.gather(-1, tokens), atol=0.05, rtol=0.02)
+    small = torch.nn.Linear(128, 512, bias=False)
+    assert TargetHead(small, 128, torch.device("cpu"), torch.float32).weight is small.weight
+
+
 def test_a_quantized_head_is_prepared_once_per_weights(base_llama, drafter, monkeypatch):
     """generate() after generate() reuses the dense copy of a quantized head; new weights make a new one."""
     target = quantized("torchao-int8+head", base_llama)

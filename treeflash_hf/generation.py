@@ -221,16 +221,20 @@ def plan_step(rows: Rows, options: TreeOptions, learned, generator: TreeFlashCan
     auto_budget, schedule = learned.auto_budget, learned.schedule
     num_rows = len(rows)
     remaining = [limit - sequence.shape[1] for limit, sequence in zip(rows.limits, rows.sequences)]
-    budget = options.tree_budget if auto_budget is None else auto_budget.plan(num_rows, share=sync.share_int)
     # the budget counts the root; under "auto" a branch verified alone may fill the largest measured forward
-    lookup_cap = budget if auto_budget is None else max(1, auto_budget.max_size // num_rows)
+    lookup_cap = options.tree_budget if auto_budget is None else max(1, auto_budget.max_size // num_rows)
     lookup_lengths = [min(options.tree_lookup, left - 1, lookup_cap - 1) for left in remaining]
     branches, ngrams = lookup_branches(rows, learned.lookup_rates, lookup_lengths)
     branch_expected = [expected_accepted(log_probs) if tokens else None for tokens, log_probs in branches]
-    # budget 1 is plain decoding asked for: nothing to draft, nothing for the scheduler to choose
+    # budget 1 is plain decoding asked for (or all "auto" can verify per row): nothing for the scheduler to choose
     plain_bound = {} if auto_budget is None else {"plain": auto_budget.verify_cost(num_rows)}
-    kind = "plain" if budget == 1 else schedule.choose(branch_expected, share=sync.share_step_kind,
-                                                         lower_bounds=plain_bound)
+    kind = "plain" if lookup_cap == 1 else schedule.choose(branch_expected, share=sync.share_step_kind,
+                                                            lower_bounds=plain_bound)
+    budget = options.tree_budget
+    if kind == "draft" and auto_budget is not None:
+        # a drafted step the scheduler tries (not its best kind) is measured at the width it would use: no wider
+        # tree to explore the width on top of it
+        budget = auto_budget.plan(num_rows, share=sync.share_int, may_explore=not sync.share_int(schedule.explored))
     plan = StepPlan(kind, [], branches, ngrams, branch_expected)
     if kind == "plain":  # the roots alone; the drafter catches up with its next draft
         plan.trees = [root_tree(token) for token in rows.root_tokens]
@@ -274,16 +278,18 @@ def accept_all(trees: TreeBatch, logits: torch.Tensor, rows: Rows, process: RowP
     return accepted
 
 
-def learn_from_step(learned, plan: StepPlan, accepted: list[Acceptance], seconds: float) -> None:
+def learn_from_step(learned, plan: StepPlan, accepted: list[Acceptance], seconds: float,
+                    verify_seconds: float) -> None:
     """Feed what the step showed to the state carried across calls: lookup acceptance rates, the scheduler's times
-    and yields, auto's per-place acceptance rates."""
+    and yields, auto's per-place acceptance rates and costs (`seconds`: the whole step; `verify_seconds`: of it,
+    the target's forward and the acceptance)."""
     for (tokens, _), ngram, result in zip(plan.branches, plan.ngrams, accepted):
         if tokens:
             learned.lookup_rates.observe(ngram, tokens, result.tokens)
     accepted_lengths = [len(result.path) for result in accepted]
     learned.schedule.observe(plan.kind, seconds, accepted_lengths, plan.branch_expected)
     if learned.auto_budget is not None and plan.kind == "draft":
-        learned.auto_budget.observe(plan.trees, [result.path for result in accepted], seconds)
+        learned.auto_budget.observe(plan.trees, [result.path for result in accepted], seconds, verify_seconds)
 
 
 @dataclass
@@ -341,10 +347,12 @@ class Decoder:
         plan = plan_step(rows, self.options, self.learned, self.generator, self.sync)
         trees = TreeBatch.pack(plan.trees)
         past_len = cache.get_seq_length()
+        verify_started = time.perf_counter()
         logits, hidden_states = verify_trees(self.target, trees, cache, rows.root_positions, rows.key_valid,
                                              self.layer_ids, self.device)
-        accepted = accept_all(trees, logits, rows, self.process, self.do_sample, self.sync)
-        learn_from_step(self.learned, plan, accepted, time.perf_counter() - started)
+        accepted = accept_all(trees, logits, rows, self.process, self.do_sample, self.sync)  # (waits for logits)
+        ended = time.perf_counter()
+        learn_from_step(self.learned, plan, accepted, ended - started, ended - verify_started)
         return StepResult(plan, trees, accepted, logits, hidden_states, past_len)
 
     def commit(self, rows: Rows, result: StepResult, cache) -> None:

@@ -157,6 +157,7 @@ class StepScheduler:
     drafter_gain: float | None = None
     waited: dict[str, int] = field(default_factory=dict)  # per kind, steps since it was last taken
     wait_limit: dict[str, int] = field(default_factory=dict)  # per kind, its current exploration wait
+    explored: bool = False  # whether the last choice was a try (an untried or a losing kind), not the best kind
 
     def expected_tokens(self, branch_expected: list[float | None]) -> dict[str, float | None]:
         """Per step kind, the tokens the batch is expected to emit (None: not yet known)."""
@@ -188,6 +189,7 @@ class StepScheduler:
             self.waited[kind] = self.waited.get(kind, 0) + 1
         seconds = {kind: self.seconds.get((kind, rows), bounds.get(kind)) for kind in tokens}
         untried = [kind for kind in tokens if seconds[kind] is None or tokens[kind] is None]
+        best = None
         if untried:
             chosen = untried[0]  # learn what each kind yields first (a draft step first of all)
         else:
@@ -205,6 +207,7 @@ class StepScheduler:
         if share is not None:
             chosen = share(chosen)
         self.waited[chosen] = 0
+        self.explored = chosen != best
         return chosen
 
     def observe(self, kind: str, seconds: float, accepted: list[int], branch_expected: list[float | None]) -> None:

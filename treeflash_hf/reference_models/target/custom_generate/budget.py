@@ -108,9 +108,16 @@ class AutoBudget:
     exactly when it is on the accepted path. Per place p in the order, the acceptance rate `accepted_sums[p] /
     verified_sums[p]` (decayed counts over the steps that verified p, shrunk toward 0 where few steps did) gives
     the expected tokens per row of width n, `tokens(n) = 1 + rate[1:n].sum()`. The step verifies the width
-    maximising expected tokens per second, `tokens(n) / (overhead + c(rows * n))`: `c` is the measured
-    verification cost curve, `overhead` the measured rest of a drafted step (drafting, tree, acceptance) at this
-    number of rows; it keeps the last width unless another beats it by `switch_margin`.
+    maximising expected tokens per second, `tokens(n) / (overhead + scale * c(rows * n))`: `c` is the measured
+    verification cost curve (one row over a fixed prefix), `scale` what verifying at this number of rows has
+    measured against it (rows of their own lengths attend more keys than one row: 1.2-1.5x at 8 rows on a CPU),
+    `overhead` the measured rest of a drafted step (drafting, tree) at this number of rows, adjusted to width n by
+    `depth_cost` seconds per drafted position per row (the drafter scores, and the tree searches, n - 1 depths:
+    the head's V*H product per position and row dominates on a CPU); it keeps the last width unless another beats
+    it by `switch_margin`. `depth_cost` is fitted on how the rest of a step moves with its drafted depth at a fixed
+    number of rows (explorations and changes of width supply the spread). Without these two corrections the widths
+    of large batches grow: the verification's excess and the drafting of deep blocks, counted as a fixed cost,
+    make every width look cheaper than it is next to it.
 
     Widths are learned, not predicted from the drafter's own probabilities (a drafter's confidence is a poor
     guide to the value of its deeper nodes). The width is settled before the step (`plan`), so an ordinary step
@@ -160,6 +167,11 @@ class AutoBudget:
         self.verified_sums = torch.zeros(self.max_size, dtype=torch.float64)
         self.verified_extent = 0  # places 0..verified_extent-1 have been verified on some step
         self.overhead: dict[int, float] = {}  # rows -> recent seconds of a drafted step besides the verification
+        self.verify_scale: dict[int, float] = {}  # rows -> recent measured verification seconds / c(rows * width)
+        self.drafted_depth: dict[int, float] = {}  # rows -> recent drafted depth of the steps behind `overhead`
+        # decayed sums over drafted steps, of (depth - its rows' recent depth)^2 and of that times (per-row rest -
+        # its rows' recent per-row rest): their ratio is `depth_cost`
+        self.depth_moments = [0.0, 0.0]
         self.overhead_smoothing = 0.8  # a step's time varies little: follow it closely
 
     def verify_cost(self, total_tokens: int) -> float:
@@ -199,20 +211,48 @@ class AutoBudget:
         """The widest width these rows can verify: their largest tree, within the largest measured forward."""
         return min(max(tree.size for tree in trees), max(1, self.max_size // len(trees)))
 
-    def plan(self, rows: int = 1, share=None) -> int:
-        """Before a step of `rows` rows: settle the width every row verifies (`planned`) and whether the step
+    @property
+    def depth_cost(self) -> float:
+        """Seconds a drafted step's rest grows by per drafted position and row (0 until steps of one batch size
+        have drafted different depths)."""
+        spread, covariance = self.depth_moments
+        return max(0.0, covariance / spread) if spread >= 1.0 else 0.0
+
+    def overheads(self, rows: int, width: int) -> list[float] | None:
+        """`[width]`: the rest of a drafted step of `rows` rows verifying n = 1..width nodes per row (see the
+        class): from this number of rows' measured figures, else the nearest measured number's, in proportion to
+        the rows (drafting is mostly per-row work; the first step at a new batch size then measures it). None
+        before any drafted step."""
+        if not self.overhead:
+            return None
+        nearest = self.nearest_measured(rows)
+        base, depth, per_position = self.overhead[nearest] * rows / nearest, self.drafted_depth[nearest], \
+            rows * self.depth_cost
+        return [max(0.0, base + per_position * (max(2, n) - 1 - depth)) for n in range(1, width + 1)]
+
+    def nearest_measured(self, rows: int) -> int:
+        """The number of rows closest to `rows` (the smaller on a tie) that some drafted step has measured."""
+        return rows if rows in self.overhead else min(self.overhead, key=lambda measured: (abs(measured - rows),
+                                                                                          measured))
+
+    def plan(self, rows: int = 1, share=None, may_explore: bool = True) -> int:
+        """Before a drafted step of `rows` rows: settle the width every row verifies (`planned`) and whether the step
         explores; returns how big a tree to build per row (the width itself, or a quarter more, at least 4 nodes,
         when exploring). `share(width) -> width` (tensor parallelism: rank 0's width on every rank) settles the
-        width; the rest follows from what every rank has seen alike."""
+        width; the rest follows from what every rank has seen alike. `may_explore=False` (the step scheduler is
+        itself trying the drafted kind, which must be judged at the width it would use) postpones a due
+        exploration to a later step; the first steps (`warmup_steps`) explore regardless."""
         cap = max(1, self.max_size // rows)
         measured = min(cap, self.verified_extent)  # widths whose every place was verified
         warming_up = self.observed_steps < self.warmup_steps  # a few steps' paths say little: keep the width
-        self.exploring = warming_up or rows not in self.overhead or measured < 2 or self.until_explore <= 0
+        overheads = self.overheads(rows, measured)
+        self.exploring = warming_up or overheads is None or measured < 2 or \
+            (may_explore and self.until_explore <= 0)
         width = min(self.last_best, cap)
-        if not warming_up and rows in self.overhead:  # (then some step was observed: measured >= 1)
-            overhead = self.overhead[rows]
-            rate = [tokens / (overhead + self.cost_list[rows * n - 1])  # tokens per second at width n
-                    for n, tokens in enumerate(self.expected_tokens(measured), start=1)]
+        if not warming_up and overheads is not None:  # (then some step was observed: measured >= 1)
+            scale = self.verify_scale[self.nearest_measured(rows)]
+            rate = [tokens / (overhead + scale * self.cost_list[rows * n - 1])  # tokens per second at width n
+                    for n, (tokens, overhead) in enumerate(zip(self.expected_tokens(measured), overheads), start=1)]
             best = rate.index(max(rate)) + 1
             last = min(self.last_best, measured)
             width = last if rate[last - 1] >= (1 - self.switch_margin) * rate[best - 1] else best
@@ -241,9 +281,11 @@ class AutoBudget:
             self.last_best = width
         return width
 
-    def observe(self, trees: list[DraftTree], paths: list[list[int]], seconds: float) -> None:
-        """One verified drafted step: the rows' verified trees, each row's accepted path (node numbers) and the
-        step's wall time from drafting to acceptance."""
+    def observe(self, trees: list[DraftTree], paths: list[list[int]], seconds: float,
+                verify_seconds: float | None = None) -> None:
+        """One verified drafted step: the rows' verified trees, each row's accepted path (node numbers), the
+        step's wall time from drafting to acceptance and, of it, the verification's (the target's forward and the
+        acceptance; None: not measured apart, taken as the cost curve's figure)."""
         rows = len(trees)
         sizes = torch.tensor([tree.size for tree in trees])
         width = int(sizes.max())
@@ -254,10 +296,18 @@ class AutoBudget:
         self.verified_sums[:width].mul_(self.smoothing).add_(verified, alpha=1 / rows)
         self.verified_extent = max(self.verified_extent, width)
         self.observed_steps += 1
-        rest = max(0.0, seconds - self.verify_cost(rows * width))
-        old = self.overhead.get(rows)
-        self.overhead[rows] = rest if old is None else \
-            self.overhead_smoothing * old + (1 - self.overhead_smoothing) * rest
+        predicted = self.verify_cost(rows * width)
+        verify_seconds = predicted if verify_seconds is None else verify_seconds
+        rest, drafted = max(0.0, seconds - verify_seconds), max(self.built, width) - 1  # (built: what plan asked)
+        if rows in self.overhead:
+            depth_gap, rest_gap = drafted - self.drafted_depth[rows], (rest - self.overhead[rows]) / rows
+            self.depth_moments = [self.smoothing * self.depth_moments[0] + depth_gap ** 2,
+                                  self.smoothing * self.depth_moments[1] + depth_gap * rest_gap]
+        for figures, value in ((self.overhead, rest), (self.verify_scale, verify_seconds / predicted),
+                               (self.drafted_depth, drafted)):
+            old = figures.get(rows)
+            figures[rows] = value if old is None else \
+                self.overhead_smoothing * old + (1 - self.overhead_smoothing) * value
 
     def choose_lookup(self, chains: list[DraftTree], share=None) -> int:
         """The width of lookup branches verified alone: their path probabilities come from the lookup's own
