@@ -267,7 +267,7 @@ def test_auto_budget_costs_verification_and_drafting_as_measured_at_each_batch_s
         return budget
 
     plain_costs = settled(8, verify_factor=1.0, seconds_per_position=0.0)
-    assert plain_costs.verify_scale[8] == pytest.approx(1.0) and plain_costs.depth_cost == 0.0
+    assert plain_costs.verify_scale[8] == pytest.approx(1.0) and plain_costs.depth_cost == pytest.approx(0, abs=1e-9)
     assert plain_costs.overheads(8, 2) == pytest.approx([0.04, 0.04])  # 8 rows x 5 ms, whatever the width
     measured = settled(8, verify_factor=1.5, seconds_per_position=0.002)
     assert measured.verify_scale[8] == pytest.approx(1.5)
@@ -284,6 +284,9 @@ def test_auto_budget_costs_verification_and_drafting_as_measured_at_each_batch_s
     measured.until_explore = 0
     assert measured.plan(8, may_explore=False) == measured.planned and not measured.exploring
     assert measured.plan(8) > measured.planned and measured.exploring
+    # past the drafter's block, wider trees draft no deeper: no more drafting cost
+    measured.max_depth = 9
+    assert measured.overheads(8, 12)[9:] == pytest.approx([measured.overheads(8, 12)[9]] * 3)
 
 
 def test_auto_budget_decoding_is_lossless(models, tmp_path_factory):
@@ -295,6 +298,32 @@ def test_auto_budget_decoding_is_lossless(models, tmp_path_factory):
     assert torch.equal(out.sequences, reference)
     cached = list((tmp_path_factory.getbasetemp() / "treeflash-cache").glob("verify-cost-*.json"))
     assert cached and all(float(v) > 0 for v in json.loads(cached[0].read_text()).values())
+
+
+def test_a_drafted_step_the_scheduler_tries_is_planned_without_exploring(models, monkeypatch):
+    """The step kind is chosen first; a drafted step that is the scheduler's try (not its best kind) asks auto
+    for the width it would use, and only the scheduler's own best drafted steps may explore; lossless either way."""
+    from treeflash_hf import forget_learned_state
+    from treeflash_hf.lookup import StepScheduler
+
+    target, drafter, _ = models
+    tries = iter([True, False] * 100)
+
+    def choose(self, branches, **_):
+        self.explored = next(tries)
+        return "draft"
+
+    asked = []
+    plan = AutoBudget.plan
+    monkeypatch.setattr(StepScheduler, "choose", choose)
+    monkeypatch.setattr(AutoBudget, "plan", lambda self, rows=1, share=None, may_explore=True: (
+        asked.append(may_explore), plan(self, rows, share, may_explore))[1])
+    forget_learned_state(drafter)
+    prompt = torch.tensor([[4, 8, 15, 16, 23, 42]])
+    out = target.generate(prompt, assistant_model=drafter, max_new_tokens=24, do_sample=False, tree_budget="auto")
+    forget_learned_state(drafter)
+    assert torch.equal(out, target.generate(prompt, max_new_tokens=24, do_sample=False))
+    assert len(asked) >= 4 and asked == [step % 2 == 1 for step in range(len(asked))]  # tries alternate
 
 
 def test_eval_dist_report(models):

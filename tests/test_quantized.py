@@ -124,7 +124,7 @@ def test_a_large_float32_head_scores_drafts_in_bfloat16_where_that_is_faster(mon
     same copy; where they are not faster, or the head is small, it keeps the target's own weight."""
     from treeflash_hf import draft
 
-    head = torch.nn.Linear(512, 8192, bias=False)  # 4M elements: as large as the copy needs
+    head = torch.nn.Linear(512, 8192)  # 4M elements: as large as the copy needs
     hidden = torch.randn(1, 16, 512)[:, 1:]  # a slice of drafter states, as drafting takes them
     tokens = torch.randint(0, 8192, (1, 15, 64))
     monkeypatch.setattr(draft, "bfloat16_product_is_faster", lambda *shape: False)
@@ -141,6 +141,13 @@ def test_a_large_float32_head_scores_drafts_in_bfloat16_where_that_is_faster(mon
     torch.testing.assert_close(shortlisted[:, :, 0], logits.gather(-1, tokens), atol=0.05, rtol=0.02)
     small = torch.nn.Linear(128, 512, bias=False)
     assert TargetHead(small, 128, torch.device("cpu"), torch.float32).weight is small.weight
+    # kept on the module across generate() calls, and made anew when the head's tensors change (a `.to()` keeps the
+    # parameter objects and their versions)
+    first = TargetHead.of(head, 512, torch.device("cpu"), torch.float32)
+    assert TargetHead.of(head, 512, torch.device("cpu"), torch.float32) is first
+    head.to(torch.float64)
+    again = TargetHead.of(head, 512, torch.device("cpu"), torch.float32)
+    assert again is not first and again.weight.dtype == torch.float64
 
 
 def test_a_quantized_head_is_prepared_once_per_weights(base_llama, drafter, monkeypatch):

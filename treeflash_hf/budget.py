@@ -112,9 +112,9 @@ class AutoBudget:
     verification cost curve (one row over a fixed prefix), `scale` what verifying at this number of rows has
     measured against it (rows of their own lengths attend more keys than one row: 1.2-1.5x at 8 rows on a CPU),
     `overhead` the measured rest of a drafted step (drafting, tree) at this number of rows, adjusted to width n by
-    `depth_cost` seconds per drafted position per row (the drafter scores, and the tree searches, n - 1 depths:
-    the head's V*H product per position and row dominates on a CPU); it keeps the last width unless another beats
-    it by `switch_margin`. `depth_cost` is fitted on how the rest of a step moves with its drafted depth at a fixed
+    `depth_cost` seconds per drafted position per row (the drafter scores, and the tree searches, min(n, block) - 1
+    depths: the head's V*H product per position and row dominates on a CPU); it keeps the last width unless another
+    beats it by `switch_margin`. `depth_cost` is fitted on how the rest of a step moves with its drafted depth at a fixed
     number of rows (explorations and changes of width supply the spread). Without these two corrections the widths
     of large batches grow: the verification's excess and the drafting of deep blocks, counted as a fixed cost,
     make every width look cheaper than it is next to it.
@@ -132,7 +132,7 @@ class AutoBudget:
 
     def __init__(self, costs: dict[int, float], smoothing: float = 0.99, explore_every: int = 4,
                  max_explore_every: int = 32, first_width: int = 16, prior_misses: float = 1.0,
-                 switch_margin: float = 0.01, warmup_steps: int = 8):
+                 switch_margin: float = 0.01, warmup_steps: int = 8, max_depth: int | None = None):
         sizes = sorted(costs)
         self.max_size = sizes[-1]  # largest measured forward, in total tokens
         # cost of every t in 1..max_size, linear between measured sizes, made non-decreasing (a measured bump, e.g.
@@ -172,6 +172,7 @@ class AutoBudget:
         # decayed sums over drafted steps, of (depth - its rows' recent depth)^2 and of that times (per-row rest -
         # its rows' recent per-row rest): their ratio is `depth_cost`
         self.depth_moments = [0.0, 0.0]
+        self.max_depth = max_depth  # the drafter's deepest draft (its block size - 1); None: no limit
         self.overhead_smoothing = 0.8  # a step's time varies little: follow it closely
 
     def verify_cost(self, total_tokens: int) -> float:
@@ -228,7 +229,12 @@ class AutoBudget:
         nearest = self.nearest_measured(rows)
         base, depth, per_position = self.overhead[nearest] * rows / nearest, self.drafted_depth[nearest], \
             rows * self.depth_cost
-        return [max(0.0, base + per_position * (max(2, n) - 1 - depth)) for n in range(1, width + 1)]
+        return [max(0.0, base + per_position * (self.drafted_depth_of(n) - depth)) for n in range(1, width + 1)]
+
+    def drafted_depth_of(self, width: int) -> int:
+        """Depths a drafted step of `width` nodes per row scores (a tree of the root alone still drafts one)."""
+        depth = max(2, width) - 1
+        return depth if self.max_depth is None else min(depth, self.max_depth)
 
     def nearest_measured(self, rows: int) -> int:
         """The number of rows closest to `rows` (the smaller on a tie) that some drafted step has measured."""
@@ -282,10 +288,11 @@ class AutoBudget:
         return width
 
     def observe(self, trees: list[DraftTree], paths: list[list[int]], seconds: float,
-                verify_seconds: float | None = None) -> None:
+                verify_seconds: float | None = None, drafted_depth: int | None = None) -> None:
         """One verified drafted step: the rows' verified trees, each row's accepted path (node numbers), the
         step's wall time from drafting to acceptance and, of it, the verification's (the target's forward and the
-        acceptance; None: not measured apart, taken as the cost curve's figure)."""
+        acceptance; None: not measured apart, taken as the cost curve's figure), and the depths the drafter scored
+        (None: those of the tree size `plan` asked for)."""
         rows = len(trees)
         sizes = torch.tensor([tree.size for tree in trees])
         width = int(sizes.max())
@@ -298,12 +305,13 @@ class AutoBudget:
         self.observed_steps += 1
         predicted = self.verify_cost(rows * width)
         verify_seconds = predicted if verify_seconds is None else verify_seconds
-        rest, drafted = max(0.0, seconds - verify_seconds), max(self.built, width) - 1  # (built: what plan asked)
+        rest = max(0.0, seconds - verify_seconds)
+        drafted = self.drafted_depth_of(max(self.built, width)) if drafted_depth is None else drafted_depth
         if rows in self.overhead:
             depth_gap, rest_gap = drafted - self.drafted_depth[rows], (rest - self.overhead[rows]) / rows
             self.depth_moments = [self.smoothing * self.depth_moments[0] + depth_gap ** 2,
                                   self.smoothing * self.depth_moments[1] + depth_gap * rest_gap]
-        for figures, value in ((self.overhead, rest), (self.verify_scale, verify_seconds / predicted),
+        for figures, value in ((self.overhead, rest), (self.verify_scale, verify_seconds / max(predicted, 1e-9)),
                                (self.drafted_depth, drafted)):
             old = figures.get(rows)
             figures[rows] = value if old is None else \

@@ -199,6 +199,7 @@ class StepPlan:
     branches: list[tuple[list[int], list[float]]]
     ngrams: list[int]
     branch_expected: list[float | None]
+    drafted_depth: int = 0  # on a draft step, the depths the drafter scored
 
 
 def lookup_branches(rows: Rows, lookup_rates, lengths: list[int]):
@@ -248,6 +249,7 @@ def plan_step(rows: Rows, options: TreeOptions, learned, generator: TreeFlashCan
         prev_tokens = [int(sequence[0, -2]) for sequence in rows.sequences]
         blocks = generator.draft(rows.root_tokens, rows.root_positions, rows.pending,
                                  max_depth=min(max(remaining), budget) - 1, prev_tokens=prev_tokens)
+        plan.drafted_depth = blocks[0].depth
         rows.pending = None
         capped = [(tokens[: budget - 1], log_probs[: budget - 1]) if tokens else None
                   for tokens, log_probs in branches]
@@ -289,7 +291,8 @@ def learn_from_step(learned, plan: StepPlan, accepted: list[Acceptance], seconds
     accepted_lengths = [len(result.path) for result in accepted]
     learned.schedule.observe(plan.kind, seconds, accepted_lengths, plan.branch_expected)
     if learned.auto_budget is not None and plan.kind == "draft":
-        learned.auto_budget.observe(plan.trees, [result.path for result in accepted], seconds, verify_seconds)
+        learned.auto_budget.observe(plan.trees, [result.path for result in accepted], seconds, verify_seconds,
+                                    plan.drafted_depth)
 
 
 @dataclass

@@ -121,25 +121,37 @@ def dense_weight_candidate(module) -> torch.Tensor | None:
 # A float32 head of at least this many elements (16 MB) is worth a measured bfloat16 copy for drafting on a CPU.
 FAST_COPY_MIN_ELEMENTS = 4 * 2**20
 SCORED_ROWS = 16  # rows of a typical drafting product with the head: one block's depths, or a few rows' worth
+TIMED_HEAD_ROWS = 16384  # head rows the dtype comparison multiplies (the product's cost is linear in them)
 
 
 @functools.lru_cache(maxsize=None)
-def bfloat16_product_is_faster(vocab_size: int, hidden_size: int, threads: int) -> bool:
-    """Whether, on this CPU with `threads` threads, `[SCORED_ROWS, H] @ [V, H].T` runs faster in bfloat16 than in
-    float32 (measured once per shape and thread count: CPUs with bfloat16 matrix units run it several times faster,
-    others slower). A fact of the machine, so kept for the process."""
+def bfloat16_product_is_faster(hidden_size: int, threads: int) -> bool:
+    """Whether, on this CPU with `threads` threads, `[SCORED_ROWS, H] @ [TIMED_HEAD_ROWS, H].T` runs faster in
+    bfloat16 than in float32 (measured once per hidden size and thread count: CPUs with bfloat16 matrix units run
+    it several times faster, others slower). A fact of the machine, so kept for the process."""
     def seconds(dtype: torch.dtype) -> float:
-        weight = torch.randn(vocab_size, hidden_size, generator=torch.Generator().manual_seed(0)).to(dtype)
+        weight = torch.randn(TIMED_HEAD_ROWS, hidden_size, generator=torch.Generator().manual_seed(0)).to(dtype)
         hidden = torch.randn(SCORED_ROWS, hidden_size, generator=torch.Generator().manual_seed(1)).to(dtype)
         hidden @ weight.T  # warm-up
         best = float("inf")
-        for _ in range(3):
+        for _ in range(5):
             start = time.perf_counter()
             hidden @ weight.T
             best = min(best, time.perf_counter() - start)
         return best
 
     return seconds(torch.bfloat16) < 0.8 * seconds(torch.float32)
+
+
+def tensor_identity(tensor: torch.Tensor) -> tuple:
+    """What tells a tensor's contents changed: `.to()`, `.half()` or `.data = ...` keep a parameter's id and
+    version, not its storage, dtype or shape (a wrapper subclass without storage, e.g. a quantized weight, has no
+    data pointer)."""
+    try:
+        pointer = tensor.data_ptr()
+    except RuntimeError:
+        pointer = None
+    return id(tensor), tensor._version, pointer, tensor.dtype, str(tensor.device), tuple(tensor.shape)
 
 
 class TargetHead:
@@ -173,7 +185,8 @@ class TargetHead:
             # plain tensors: the drafter side indexes rows and must not take part in the target's collectives
             self.weight = full_tensor(lm_head.weight).to(device)
             self.bias = None if lm_head.bias is None else full_tensor(lm_head.bias).to(device)
-            self.use_faster_copy()
+            if not hasattr(lm_head.weight, "full_tensor"):  # (tensor parallel: every rank must draft alike, and
+                self.use_faster_copy()                       # a measurement per rank could differ)
             return
         # The first call: the head must take drafter hidden states, and a dense copy must give what it gives.
         probe = torch.randn(4, hidden_size, generator=torch.Generator().manual_seed(0)).to(device, dtype)
@@ -194,7 +207,7 @@ class TargetHead:
         weight = self.weight
         if self.device.type != "cpu" or weight.dtype != torch.float32 or weight.numel() < FAST_COPY_MIN_ELEMENTS:
             return
-        if bfloat16_product_is_faster(weight.shape[0], weight.shape[1], torch.get_num_threads()):
+        if bfloat16_product_is_faster(weight.shape[1], torch.get_num_threads()):
             self.weight = weight.to(torch.bfloat16)
             self.bias = None if self.bias is None else self.bias.to(torch.bfloat16)
 
@@ -206,7 +219,7 @@ class TargetHead:
         if lm_head is None:
             return cls(lm_head, hidden_size, device, dtype)
         tensors = itertools.chain(lm_head.parameters(), lm_head.buffers())
-        key = (hidden_size, str(device), dtype, tuple((id(t), t._version) for t in tensors))
+        key = (hidden_size, str(device), dtype, tuple(tensor_identity(t) for t in tensors))
         kept = getattr(lm_head, "_treeflash_target_head", None)
         if kept is None or kept[0] != key:
             kept = (key, cls(lm_head, hidden_size, device, dtype))
@@ -247,8 +260,8 @@ class TargetHead:
         return logits.to(hidden.dtype).view(*hidden.shape[:-1], logits.shape[-1])
 
     def shortlist_logits(self, hidden: torch.Tensor, tokens: torch.LongTensor) -> torch.Tensor:
-        """Logits of groups of rows `hidden [..., G, H]` on their group's tokens `tokens [..., C]` ->
-        `[..., G, C]`."""
+        """Logits of groups of rows `hidden [..., G, H]` on their group's tokens `tokens [..., C]` (the same leading
+        shape `...`) -> `[..., G, C]`."""
         if self.weight is None:  # a called head scores every token: keep the shortlist's
             logits = self.call(hidden)
             return logits.gather(-1, tokens[..., None, :].expand(logits.shape[:-1] + tokens.shape[-1:]))

@@ -73,7 +73,8 @@ def learned_state(drafter, target, options: TreeOptions, generation_config: Gene
         states[key] = LearnedState(
             lookup_rates=LookupRates(),
             schedule=StepScheduler(allow_plain=auto),
-            auto_budget=AutoBudget(verify_cost_curve(target, sync=sync)) if auto else None,
+            auto_budget=AutoBudget(verify_cost_curve(target, sync=sync), max_depth=drafter.config.block_size - 1)
+            if auto else None,
         )
     return states[key]
 
