@@ -258,7 +258,6 @@ def test_auto_budget_costs_verification_and_drafting_as_measured_at_each_batch_s
         budget = AutoBudget(curve, explore_every=10**6, warmup_steps=0)
         for step in range(40):
             width = (8, 12)[step % 2]
-            budget.built = width
             paths = [list(range(1, 1 + min(width - 1, (row + step) % 13))) for row in range(rows)]
             verify = verify_factor * budget.verify_cost(rows * width)
             drafting = rows * (0.005 + seconds_per_position * (width - 1))

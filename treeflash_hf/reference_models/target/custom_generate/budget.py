@@ -251,14 +251,13 @@ class AutoBudget:
         cap = max(1, self.max_size // rows)
         measured = min(cap, self.verified_extent)  # widths whose every place was verified
         warming_up = self.observed_steps < self.warmup_steps  # a few steps' paths say little: keep the width
-        overheads = self.overheads(rows, measured)
-        self.exploring = warming_up or overheads is None or measured < 2 or \
-            (may_explore and self.until_explore <= 0)
+        self.exploring = warming_up or not self.overhead or measured < 2 or (may_explore and self.until_explore <= 0)
         width = min(self.last_best, cap)
-        if not warming_up and overheads is not None:  # (then some step was observed: measured >= 1)
+        if not warming_up and self.overhead:  # (then some step was observed: measured >= 1)
             scale = self.verify_scale[self.nearest_measured(rows)]
             rate = [tokens / (overhead + scale * self.cost_list[rows * n - 1])  # tokens per second at width n
-                    for n, (tokens, overhead) in enumerate(zip(self.expected_tokens(measured), overheads), start=1)]
+                    for n, (tokens, overhead) in enumerate(zip(self.expected_tokens(measured),
+                                                               self.overheads(rows, measured)), start=1)]
             best = rate.index(max(rate)) + 1
             last = min(self.last_best, measured)
             width = last if rate[last - 1] >= (1 - self.switch_margin) * rate[best - 1] else best
@@ -292,7 +291,7 @@ class AutoBudget:
         """One verified drafted step: the rows' verified trees, each row's accepted path (node numbers), the
         step's wall time from drafting to acceptance and, of it, the verification's (the target's forward and the
         acceptance; None: not measured apart, taken as the cost curve's figure), and the depths the drafter scored
-        (None: those of the tree size `plan` asked for)."""
+        (None: those of the widest verified tree)."""
         rows = len(trees)
         sizes = torch.tensor([tree.size for tree in trees])
         width = int(sizes.max())
@@ -306,7 +305,7 @@ class AutoBudget:
         predicted = self.verify_cost(rows * width)
         verify_seconds = predicted if verify_seconds is None else verify_seconds
         rest = max(0.0, seconds - verify_seconds)
-        drafted = self.drafted_depth_of(max(self.built, width)) if drafted_depth is None else drafted_depth
+        drafted = self.drafted_depth_of(width) if drafted_depth is None else drafted_depth
         if rows in self.overhead:
             depth_gap, rest_gap = drafted - self.drafted_depth[rows], (rest - self.overhead[rows]) / rows
             self.depth_moments = [self.smoothing * self.depth_moments[0] + depth_gap ** 2,
