@@ -24,6 +24,8 @@ class OracleCandidateGenerator(TreeFlashCandidateGenerator):
         self.miss_prob = miss_prob
         self.truth: list[int] = []
         self.miss_depth = -1
+        self.partly_scored_drafts = 0  # drafts that left depths unscored
+        self.deepened_drafts = 0  # of them, those whose trees asked for the rest
 
     def _plan(self, anchor_position: int, depth: int) -> None:
         self.truth = self.reference[anchor_position + 1 : anchor_position + 1 + depth]
@@ -42,12 +44,25 @@ class OracleCandidateGenerator(TreeFlashCandidateGenerator):
             values[candidate] = 8.0 - position
         return torch.log_softmax(values, dim=-1)
 
-    def draft(self, anchor_tokens, anchor_positions, context, max_depth, prev_tokens=None):
+    def draft(self, anchor_tokens, anchor_positions, context, max_depth, prev_tokens=None, scored_depth=None):
         assert len(anchor_tokens) == 1, "the oracle knows one reference continuation (batch 1)"
-        block = super().draft(anchor_tokens, anchor_positions, context, max_depth, prev_tokens)[0]
-        self._plan(int(anchor_positions[0]), block.depth)
+        block = super().draft(anchor_tokens, anchor_positions, context, max_depth, prev_tokens, scored_depth)[0]
+        unscored = 0 if block.unscored_hidden is None else block.unscored_hidden.shape[0]
+        self.partly_scored_drafts += unscored > 0
+        self._plan(int(anchor_positions[0]), block.depth + unscored)
+        self._rewrite(block, 0)
+        return [block]
+
+    def score_deeper(self, blocks):
+        scored = blocks[0].depth
+        self.deepened_drafts += blocks[0].unscored_hidden is not None
+        super().score_deeper(blocks)
+        self._rewrite(blocks[0], scored)
+
+    def _rewrite(self, block, start: int) -> None:
+        """Rig the marginals of depths `start + 1..` of `block` (and their shortlists)."""
         log_probs = block.marginal_log_probs.clone()
-        for d, token in enumerate(self.truth):
+        for d, token in enumerate(self.truth[start : block.depth], start=start):
             if d + 1 == self.miss_depth:
                 log_probs[d, token] = -float("inf")
             else:
@@ -55,7 +70,6 @@ class OracleCandidateGenerator(TreeFlashCandidateGenerator):
         block.marginal_log_probs = log_probs
         shortlists = self.shortlists(log_probs[None])
         block.shortlist = None if shortlists is None else shortlists[0]
-        return [block]
 
     def ar_tables(self, blocks, max_depth):
         tables = super().ar_tables(blocks, max_depth)

@@ -286,6 +286,10 @@ def test_auto_budget_costs_verification_and_drafting_as_measured_at_each_batch_s
     # past the drafter's block, wider trees draft no deeper: no more drafting cost
     measured.max_depth = 9
     assert measured.overheads(8, 12)[9:] == pytest.approx([measured.overheads(8, 12)[9]] * 3)
+    # nor past the depths the step scores up front (recent trees' depth): its plan says how many
+    measured.plan(8, depth_cap=5)
+    assert measured.drafted_depth_of(12) == 5
+    assert measured.overheads(8, 12)[5:] == pytest.approx([measured.overheads(8, 12)[5]] * 7)
 
 
 def test_auto_budget_decoding_is_lossless(models, tmp_path_factory):
@@ -315,8 +319,8 @@ def test_a_drafted_step_the_scheduler_tries_is_planned_without_exploring(models,
     asked = []
     plan = AutoBudget.plan
     monkeypatch.setattr(StepScheduler, "choose", choose)
-    monkeypatch.setattr(AutoBudget, "plan", lambda self, rows=1, share=None, may_explore=True: (
-        asked.append(may_explore), plan(self, rows, share, may_explore))[1])
+    monkeypatch.setattr(AutoBudget, "plan", lambda self, rows=1, share=None, may_explore=True, depth_cap=None: (
+        asked.append(may_explore), plan(self, rows, share, may_explore, depth_cap))[1])
     forget_learned_state(drafter)
     prompt = torch.tensor([[4, 8, 15, 16, 23, 42]])
     out = target.generate(prompt, assistant_model=drafter, max_new_tokens=24, do_sample=False, tree_budget="auto")

@@ -17,7 +17,7 @@ from treeflash_hf.testing import matching_drafter, random_target
 from .conftest import randomise_ar_layer
 
 
-def draft_once(target, drafter, prompt, options, **generator_attributes):
+def draft_once(target, drafter, prompt, options, scored_depth=None, **generator_attributes):
     generator = TreeFlashCandidateGenerator(drafter, target, options)
     for name, value in generator_attributes.items():
         setattr(generator, name, value)
@@ -27,7 +27,7 @@ def draft_once(target, drafter, prompt, options, **generator_attributes):
                            torch.arange(prompt.shape[1])[None])
     anchor = int(out.logits[0, -1].argmax())
     blocks = generator.draft([anchor], torch.tensor([prompt.shape[1]]), context,
-                             max_depth=drafter.config.block_size - 1)
+                             max_depth=drafter.config.block_size - 1, scored_depth=scored_depth)
     return generator, blocks[0]
 
 
@@ -63,6 +63,52 @@ def test_lazy_and_batched_stage_two_build_the_same_tree(qwen3_pair):
         lazy = generator.build_tree(block, budget)
         assert torch.equal(batched.tokens, lazy.tokens) and torch.equal(batched.parents, lazy.parents)
         assert batched.size <= budget and (batched.depths.max() > 1 or budget < 16)
+
+
+def test_trees_of_a_few_scored_depths_are_the_trees_of_every_depth(qwen3_pair):
+    target, _ = qwen3_pair
+    drafter = randomise_ar_layer(matching_drafter(target, seed=1), std=0.05)
+    prompt = torch.tensor([[3, 1, 4, 1, 5, 9, 2]])
+    depths = []
+    for mode, budget in (("treeflash", 4), ("treeflash", 16), ("treeflash", 64), ("marginal_tree", 16)):
+        options = TreeOptions(tree_mode=mode, tree_budget=budget, tree_top_m=6, tree_top_k=5)
+        generator, full = draft_once(target, drafter, prompt, options)
+        reference = generator.build_tree(full, budget)
+        reference_depth = int(reference.depths.max())
+        depths.append(reference_depth)
+        for scored in sorted({1, max(1, reference_depth - 1), reference_depth, reference_depth + 1}):
+            generator, block = draft_once(target, drafter, prompt, options, scored_depth=scored)
+            assert block.depth == scored and block.unscored_hidden.shape[0] == full.depth - scored
+            tree = generator.build_tree(block, budget)
+            # a tree short of the scored depth is final; one that reaches it gets the rest scored and searched again
+            stopped = generator.search_stopped_at_scored_depth([block], [tree])
+            assert stopped == (scored <= reference_depth)
+            if stopped:
+                generator.score_deeper([block])
+                assert block.unscored_hidden is None and block.depth == full.depth
+                torch.testing.assert_close(block.marginal_log_probs, full.marginal_log_probs)
+                if full.shortlist is not None:
+                    assert torch.equal(block.shortlist.tokens, full.shortlist.tokens)
+                tree = generator.build_tree(block, budget)
+            assert torch.equal(tree.tokens, reference.tokens) and torch.equal(tree.parents, reference.parents)
+    assert max(depths) >= 3  # some tree deep enough that scoring fewer depths first is a real difference
+
+
+def test_drafted_steps_score_one_depth_past_the_recent_trees():
+    from treeflash_hf.learned import ScoredDepth
+    from treeflash_hf.tree import chain_tree
+
+    def chain(depth: int):
+        return chain_tree(0, torch.zeros(depth, dtype=torch.long), torch.zeros(depth))
+
+    scored = ScoredDepth(window=2)
+    assert scored.depth(15) == 15  # nothing seen yet: every depth
+    scored.observe([chain(3), chain(1)])  # a step's deepest tree counts
+    assert scored.depth(15) == 4 and scored.depth(3) == 3
+    assert scored.depth(15, longest_branch=6) == 7  # a lookup branch ends above the scored depth
+    scored.observe([chain(1)])
+    scored.observe([chain(2)])
+    assert scored.depth(15) == 3  # the 3-deep step left the window
 
 
 def test_trained_ar_layer_changes_the_tables(qwen3_pair):

@@ -146,11 +146,11 @@ class ContextCheckingGenerator(TreeFlashCandidateGenerator):
     """Asserts that every draft sees the drafter context of every committed position before its anchor,
     whether or not earlier steps skipped the drafter."""
 
-    def draft(self, anchor_tokens, anchor_positions, context, max_depth, prev_tokens=None):
+    def draft(self, anchor_tokens, anchor_positions, context, max_depth, prev_tokens=None, scored_depth=None):
         cached = self.cache.get_seq_length() if self.key_valid is None else self.key_valid.sum(dim=1)
         new = context.features.shape[1] if context.valid is None else context.valid.sum(dim=1)
         assert torch.equal(torch.as_tensor(cached + new).expand(len(anchor_tokens)), anchor_positions)
-        return super().draft(anchor_tokens, anchor_positions, context, max_depth, prev_tokens)
+        return super().draft(anchor_tokens, anchor_positions, context, max_depth, prev_tokens, scored_depth)
 
 
 @pytest.mark.parametrize("schedule", ["measured", "always_lookup", "lookup_or_plain"])

@@ -60,10 +60,18 @@ def test_runs_that_end_at_eos_match_target(pair, mode):
 
 
 @pytest.mark.parametrize("arch", ARCHITECTURES)
-@pytest.mark.parametrize("mode", MODES)
-def test_oracle_drafter_deep_acceptance(arch, mode):
+@pytest.mark.parametrize("mode,scoring", [(mode, "learned") for mode in MODES] +
+                         [(mode, "random") for mode in MODES if mode != "chain"])
+def test_oracle_drafter_deep_acceptance(arch, mode, scoring, monkeypatch):
     """A drafter that puts the target's own continuation into the tree (at varying ranks, sometimes missing a
-    depth): long accepted paths, many compactions, bonus tokens from branches — and still identical output."""
+    depth): long accepted paths, many compactions, bonus tokens from branches — and still identical output.
+    `scoring="random"`: each draft scores a random 1-3 depths up front (any number must leave the trees alone)."""
+    if scoring == "random":
+        from treeflash_hf.learned import ScoredDepth
+
+        rng = random.Random(11)
+        monkeypatch.setattr(ScoredDepth, "depth", lambda self, limit, longest_branch=0: min(limit, rng.randint(1, 3)))
+    partly_scored = deepened = 0
     target = random_target(arch, vocab_size=VOCAB, seed=5)
     drafter = randomise_ar_layer(matching_drafter(target, seed=6, block_size=8))
     for prompt_index, prompt in enumerate(prompts(seed=13, count=2)):
@@ -81,3 +89,6 @@ def test_oracle_drafter_deep_acceptance(arch, mode):
             assert torch.equal(out.sequences, expected), (arch, mode, budget)
             assert max(out.accepted_lengths) >= (3 if budget >= 16 else 1), out.accepted_lengths
             assert out.tau > (1.5 if budget >= 16 else 1.0)
+            partly_scored, deepened = partly_scored + oracle.partly_scored_drafts, deepened + oracle.deepened_drafts
+    if scoring == "random":
+        assert partly_scored > 0 and deepened > 0  # (the oracle's deep trees ask for the rest on most steps)

@@ -25,6 +25,7 @@ from treeflash_hf.draft import TargetHead, TreeFlashCandidateGenerator
 from treeflash_hf.quantize import BACKENDS, quantize_target, reload_quantized
 from treeflash_hf.testing import matching_drafter, random_target
 from treeflash_hf.validation import TreeFlashInputError
+from treeflash_hf.verify import forward_shape_difference
 
 from .conftest import randomise_ar_layer
 from .oracle import OracleCandidateGenerator
@@ -189,9 +190,11 @@ def test_bitsandbytes_runs_with_a_quantized_head(base_llama, drafter, backend, c
 @pytest.mark.parametrize("backend,name", [("bnb-8bit", "bitsandbytes llm_int8"),
                                           ("torchao-dyn8+head", "torchao Int8DynamicActivationInt8WeightConfig")])
 def test_forward_shape_dependent_backend_warns_once(drafter, caplog, backend, name):
-    """LLM.int8 computes the input columns that hold an outlier (|x| > 6) in any token of the forward apart, and
-    torchao's dynamic int8 activations change a token's logits with the shape of the forward too: give the Llama
-    outlier features and it shows."""
+    """LLM.int8 computes the input columns that hold an outlier (|x| > 6) in any token of the forward apart: give
+    the Llama outlier features and a token's logits depend on the forward, on any host. torchao's dynamic int8
+    activations are quantized per token, and whether its int8 kernels couple the rows depends on the CPU (they
+    did on an Intel host with AMX, by ~1e-2; on an AMD Zen host, not for this prompt): there the warning must
+    follow what the check finds, once, or not at all."""
     target = llama()
     with torch.no_grad():
         for layer in target.model.layers:
@@ -203,8 +206,11 @@ def test_forward_shape_dependent_backend_warns_once(drafter, caplog, backend, na
         for _ in range(2):
             target.generate(prompt, assistant_model=drafter, max_new_tokens=6, do_sample=False)
     warnings = [record.getMessage() for record in caplog.records if WARNING_TEXT in record.getMessage()]
-    assert len(warnings) == 1, warnings
-    assert name in warnings[0] and "near-ties" in warnings[0]
+    layer_ids = list(drafter.config.target_layer_ids)
+    stable, _ = forward_shape_difference(target, prompt[0], layer_ids, torch.device("cpu"))
+    assert backend != "bnb-8bit" or not stable
+    assert len(warnings) == (0 if stable else 1), warnings
+    assert stable or (name in warnings[0] and "near-ties" in warnings[0])
 
 
 def test_dense_float32_target_never_warns(drafter, caplog):

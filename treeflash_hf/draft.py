@@ -39,14 +39,17 @@ class Shortlist:
 @dataclass
 class BlockDraft:
     """One row of a drafter forward. anchor_token: `b`; prev_token: the committed token before `b` (or -1);
-    pre_norm_hidden: `[D+1, H]` backbone outputs for slots 0..D; marginal_log_probs: `[D, V]` for depths 1..D;
-    shortlist: the stage-2 vocabulary per depth, or None for the full vocabulary."""
+    pre_norm_hidden: `[D'+1, H]` backbone outputs for slots 0..D' (every drafted depth); marginal_log_probs:
+    `[D, V]` for the depths 1..D scored so far (D <= D'); shortlist: the stage-2 vocabulary per scored depth, or None
+    for the full vocabulary; unscored_hidden: `[D'-D, H]` the normed outputs of the depths not scored yet (None:
+    none left; `TreeFlashCandidateGenerator.score_deeper` scores them)."""
 
     anchor_token: int
     prev_token: int
     pre_norm_hidden: torch.Tensor
     marginal_log_probs: torch.Tensor
     shortlist: Shortlist | None = None
+    unscored_hidden: torch.Tensor | None = None
 
     @property
     def depth(self) -> int:
@@ -353,9 +356,12 @@ class TreeFlashCandidateGenerator(CandidateGenerator):
         context: DraftContext,
         max_depth: int,
         prev_tokens: list[int] | None = None,
+        scored_depth: int | None = None,
     ) -> list[BlockDraft]:
         """One drafter forward for every row: append `context` to the drafter cache and draft the block anchored at
-        `anchor_tokens[r]` (position `anchor_positions[r]`). Only depths `1..max_depth` are scored."""
+        `anchor_tokens[r]` (position `anchor_positions[r]`) down to depth `max_depth`. Depths `1..scored_depth`
+        (None: all) get their marginals from the target's head now, the rest only if `score_deeper` asks: the
+        full-vocabulary product is most of a draft's cost, and most trees stop a few depths down."""
         device = self.device
         rows, q_len = len(anchor_tokens), self.block_size
         noise_ids = torch.full((rows, q_len), self.mask_token_id, dtype=torch.long, device=device)
@@ -380,9 +386,9 @@ class TreeFlashCandidateGenerator(CandidateGenerator):
         )
         self.cache.crop(-q_len)  # keep the context K/V, drop the block's
         depth = max(0, min(q_len - 1, max_depth))
-        logits = self.head_logits(out.last_hidden_state[:, 1 : depth + 1])  # [R, D, V]
-        marginal_log_probs = torch.log_softmax(logits.float(), dim=-1)
-        shortlists = self.shortlists(marginal_log_probs) if self.options.tree_mode == "treeflash" else None
+        scored = depth if scored_depth is None else max(0, min(depth, scored_depth))
+        marginal_log_probs, shortlists = self.marginals(out.last_hidden_state[:, 1 : scored + 1])
+        unscored = out.last_hidden_state[:, scored + 1 : depth + 1] if scored < depth else None  # [R, D'-D, H]
         prev_tokens = prev_tokens or [-1] * rows
         return [
             BlockDraft(
@@ -391,9 +397,36 @@ class TreeFlashCandidateGenerator(CandidateGenerator):
                 pre_norm_hidden=out.pre_norm_hidden_state[row, : depth + 1],
                 marginal_log_probs=marginal_log_probs[row],
                 shortlist=None if shortlists is None else shortlists[row],
+                unscored_hidden=None if unscored is None else unscored[row],
             )
             for row in range(rows)
         ]
+
+    def marginals(self, hidden: torch.Tensor) -> tuple[torch.Tensor, list[Shortlist] | None]:
+        """Normed drafter outputs `[R, D, H]` -> the marginals' log-probs `[R, D, V]` and each row's shortlist."""
+        marginal_log_probs = torch.log_softmax(self.head_logits(hidden).float(), dim=-1)
+        shortlists = self.shortlists(marginal_log_probs) if self.options.tree_mode == "treeflash" else None
+        return marginal_log_probs, shortlists
+
+    def score_deeper(self, blocks: list[BlockDraft]) -> None:
+        """Score the depths `draft` left unscored (every row's, in one product), appending them to each block."""
+        if blocks[0].unscored_hidden is None:
+            return
+        marginal_log_probs, shortlists = self.marginals(torch.stack([block.unscored_hidden for block in blocks]))
+        for row, block in enumerate(blocks):
+            block.marginal_log_probs = torch.cat([block.marginal_log_probs, marginal_log_probs[row]])
+            if block.shortlist is not None and shortlists is not None:
+                block.shortlist = Shortlist(torch.cat([block.shortlist.tokens, shortlists[row].tokens]),
+                                            torch.cat([block.shortlist.log_mass, shortlists[row].log_mass]))
+            block.unscored_hidden = None
+
+    @staticmethod
+    def search_stopped_at_scored_depth(blocks: list[BlockDraft], trees: list[DraftTree]) -> bool:
+        """Whether some tree holds a node at the deepest scored depth while deeper ones wait unscored: only then
+        could scoring them change a tree (a best-first search never reaches a depth without a node just above)."""
+        if blocks[0].unscored_hidden is None:
+            return False
+        return max(int(tree.depths.max()) for tree in trees) >= blocks[0].depth
 
     def shortlists(self, marginal_log_probs: torch.Tensor) -> list[Shortlist] | None:
         """The stage-2 `Shortlist` of each row of marginals `[R, D, V]`, or None when rows score the full

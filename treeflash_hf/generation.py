@@ -232,10 +232,14 @@ def plan_step(rows: Rows, options: TreeOptions, learned, generator: TreeFlashCan
     kind = "plain" if lookup_cap == 1 else schedule.choose(branch_expected, share=sync.share_step_kind,
                                                             lower_bounds=plain_bound)
     budget = options.tree_budget
+    # a chain reaches every depth it drafts: only trees score their depths lazily
+    lazy_depths = options.tree_mode != "chain"
     if kind == "draft" and auto_budget is not None:
         # a drafted step the scheduler tries (not its best kind) is measured at the width it would use: no wider
         # tree to explore the width on top of it
-        budget = auto_budget.plan(num_rows, share=sync.share_int, may_explore=not sync.share_int(schedule.explored))
+        budget = auto_budget.plan(num_rows, share=sync.share_int, may_explore=not sync.share_int(schedule.explored),
+                                  depth_cap=learned.scored_depth.depth(generator.block_size - 1) if lazy_depths
+                                  else None)
     plan = StepPlan(kind, [], branches, ngrams, branch_expected)
     if kind == "plain":  # the roots alone; the drafter catches up with its next draft
         plan.trees = [root_tree(token) for token in rows.root_tokens]
@@ -247,13 +251,20 @@ def plan_step(rows: Rows, options: TreeOptions, learned, generator: TreeFlashCan
             plan.trees = [tree.prefix(min(width, tree.size)) for tree in plan.trees]
     else:
         prev_tokens = [int(sequence[0, -2]) for sequence in rows.sequences]
-        blocks = generator.draft(rows.root_tokens, rows.root_positions, rows.pending,
-                                 max_depth=min(max(remaining), budget) - 1, prev_tokens=prev_tokens)
-        plan.drafted_depth = blocks[0].depth
-        rows.pending = None
         capped = [(tokens[: budget - 1], log_probs[: budget - 1]) if tokens else None
                   for tokens, log_probs in branches]
+        depth_limit = min(max(remaining), budget) - 1
+        scored = learned.scored_depth.depth(depth_limit, max((len(branch[0]) for branch in capped if branch),
+                                                             default=0)) if lazy_depths else None
+        blocks = generator.draft(rows.root_tokens, rows.root_positions, rows.pending, max_depth=depth_limit,
+                                 prev_tokens=prev_tokens, scored_depth=scored)
+        rows.pending = None
         plan.trees = generator.build_trees(blocks, budget, capped)
+        if generator.search_stopped_at_scored_depth(blocks, plan.trees):
+            generator.score_deeper(blocks)
+            plan.trees = generator.build_trees(blocks, budget, capped)
+        learned.scored_depth.observe(plan.trees)
+        plan.drafted_depth = blocks[0].depth
         if auto_budget is not None:
             width = auto_budget.choose(plan.trees)
             plan.trees = [tree.prefix(min(width, tree.size)) for tree in plan.trees]

@@ -173,6 +173,7 @@ class AutoBudget:
         # its rows' recent per-row rest): their ratio is `depth_cost`
         self.depth_moments = [0.0, 0.0]
         self.max_depth = max_depth  # the drafter's deepest draft (its block size - 1); None: no limit
+        self.depth_cap: int | None = None  # the depths a drafted step scores at most (`plan`'s); None: no cap
         self.overhead_smoothing = 0.8  # a step's time varies little: follow it closely
 
     def verify_cost(self, total_tokens: int) -> float:
@@ -234,20 +235,24 @@ class AutoBudget:
     def drafted_depth_of(self, width: int) -> int:
         """Depths a drafted step of `width` nodes per row scores (a tree of the root alone still drafts one)."""
         depth = max(2, width) - 1
-        return depth if self.max_depth is None else min(depth, self.max_depth)
+        for cap in (self.max_depth, self.depth_cap):
+            depth = depth if cap is None else min(depth, cap)
+        return depth
 
     def nearest_measured(self, rows: int) -> int:
         """The number of rows closest to `rows` (the smaller on a tie) that some drafted step has measured."""
         return rows if rows in self.overhead else min(self.overhead, key=lambda measured: (abs(measured - rows),
                                                                                           measured))
 
-    def plan(self, rows: int = 1, share=None, may_explore: bool = True) -> int:
+    def plan(self, rows: int = 1, share=None, may_explore: bool = True, depth_cap: int | None = None) -> int:
         """Before a drafted step of `rows` rows: settle the width every row verifies (`planned`) and whether the step
         explores; returns how big a tree to build per row (the width itself, or a quarter more, at least 4 nodes,
         when exploring). `share(width) -> width` (tensor parallelism: rank 0's width on every rank) settles the
         width; the rest follows from what every rank has seen alike. `may_explore=False` (the step scheduler is
         itself trying the drafted kind, which must be judged at the width it would use) postpones a due
-        exploration to a later step; the first steps (`warmup_steps`) explore regardless."""
+        exploration to a later step; the first steps (`warmup_steps`) explore regardless. `depth_cap`: the most
+        depths the step will score (`learned.ScoredDepth`), whatever the width; None: as many as the width."""
+        self.depth_cap = depth_cap
         cap = max(1, self.max_size // rows)
         measured = min(cap, self.verified_extent)  # widths whose every place was verified
         warming_up = self.observed_steps < self.warmup_steps  # a few steps' paths say little: keep the width

@@ -1,8 +1,8 @@
 """What the decoding loop learns as it runs, kept across `generate()` calls for the same drafter and target.
 
 The lookup branch's acceptance rates (`LookupRates`), each step kind's measured time and yield
-(`StepScheduler`) and, under `tree_budget="auto"`, the per-place acceptance rates and step overhead
-(`AutoBudget`) are properties of the pair on this device under these decoding settings, not of one prompt. A
+(`StepScheduler`), how deep recent trees went (`ScoredDepth`) and, under `tree_budget="auto"`, the per-place
+acceptance rates and step overhead (`AutoBudget`) are properties of the pair on this device under these decoding settings, not of one prompt. A
 100-token call has ~40 steps, too few to learn them afresh each time, so they carry over to the next call
 (transformers' assisted generation likewise carries its assistant's `num_assistant_tokens` across calls). They
 only decide what is verified, never what is emitted: the output stays the target's own either way.
@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import threading
 import weakref
+from collections import deque
 from dataclasses import dataclass
 
 import torch
@@ -28,14 +29,38 @@ from .options import TreeOptions
 _ATTRIBUTE = "_treeflash_learned"
 
 
+class ScoredDepth:
+    """How many depths a drafted step scores with the target's head before its trees are searched: one more than
+    the deepest tree of the last `window` drafted steps (all of them before any step). Scoring a depth costs a
+    `[rows, H] x [H, V]` product, and trees at budget 16 mostly stop 2-5 deep of the drafter's 15; a tree that
+    reaches the scored depth has the rest scored and is searched again (`plan_step`), so the trees are those of
+    scoring every depth, only cheaper. Learned from the trees alone: the same on every rank."""
+
+    def __init__(self, window: int = 16):
+        self.recent_depths: deque[int] = deque(maxlen=window)
+
+    def depth(self, limit: int, longest_branch: int = 0) -> int:
+        """Depths to score out of `limit`: past the recent trees' depth and below the end of the longest lookup
+        branch (a branch reaching the scored depth would ask for the rest every time)."""
+        if not self.recent_depths:
+            return limit
+        return min(limit, max(max(self.recent_depths), longest_branch) + 1)
+
+    def observe(self, trees) -> None:
+        """A drafted step's trees, as searched (before any cut to a verified width)."""
+        self.recent_depths.append(max(int(tree.depths.max()) for tree in trees))
+
+
 @dataclass
 class LearnedState:
     """`lookup_rates`: the lookup branch's acceptance rates; `schedule`: which kind each step verifies;
-    `auto_budget`: per-step prefix choice under `tree_budget="auto"` (None for a fixed budget)."""
+    `auto_budget`: per-step prefix choice under `tree_budget="auto"` (None for a fixed budget); `scored_depth`:
+    how many depths a drafted step scores up front."""
 
     lookup_rates: LookupRates
     schedule: StepScheduler
     auto_budget: AutoBudget | None
+    scored_depth: ScoredDepth
 
 
 class _StatesPerTarget(weakref.WeakKeyDictionary):
@@ -75,6 +100,7 @@ def learned_state(drafter, target, options: TreeOptions, generation_config: Gene
             schedule=StepScheduler(allow_plain=auto),
             auto_budget=AutoBudget(verify_cost_curve(target, sync=sync), max_depth=drafter.config.block_size - 1)
             if auto else None,
+            scored_depth=ScoredDepth(),
         )
     return states[key]
 
