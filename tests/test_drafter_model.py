@@ -81,7 +81,7 @@ def test_trees_of_a_few_scored_depths_are_the_trees_of_every_depth(qwen3_pair):
             assert block.depth == scored and block.unscored_hidden.shape[0] == full.depth - scored
             tree = generator.build_tree(block, budget)
             # a tree short of the scored depth is final; one that reaches it gets the rest scored and searched again
-            stopped = generator.search_stopped_at_scored_depth([block], [tree])
+            stopped = generator.search_stopped_at_scored_depth([block], int(tree.depths.max()))
             assert stopped == (scored <= reference_depth)
             if stopped:
                 generator.score_deeper([block])
@@ -95,6 +95,7 @@ def test_trees_of_a_few_scored_depths_are_the_trees_of_every_depth(qwen3_pair):
 
 
 def test_drafted_steps_score_one_depth_past_the_recent_trees():
+    from treeflash_hf.generation import deepest_node
     from treeflash_hf.learned import ScoredDepth
     from treeflash_hf.tree import chain_tree
 
@@ -103,11 +104,12 @@ def test_drafted_steps_score_one_depth_past_the_recent_trees():
 
     scored = ScoredDepth(window=2)
     assert scored.depth(15) == 15  # nothing seen yet: every depth
-    scored.observe([chain(3), chain(1)])  # a step's deepest tree counts
+    assert deepest_node([chain(3), chain(1)]) == 3
+    scored.observe(deepest_node([chain(3), chain(1)]))  # a step's deepest tree counts
     assert scored.depth(15) == 4 and scored.depth(3) == 3
     assert scored.depth(15, longest_branch=6) == 7  # a lookup branch ends above the scored depth
-    scored.observe([chain(1)])
-    scored.observe([chain(2)])
+    scored.observe(1)
+    scored.observe(2)
     assert scored.depth(15) == 3  # the 3-deep step left the window
 
 

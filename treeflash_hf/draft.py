@@ -421,12 +421,11 @@ class TreeFlashCandidateGenerator(CandidateGenerator):
             block.unscored_hidden = None
 
     @staticmethod
-    def search_stopped_at_scored_depth(blocks: list[BlockDraft], trees: list[DraftTree]) -> bool:
-        """Whether some tree holds a node at the deepest scored depth while deeper ones wait unscored: only then
-        could scoring them change a tree (a best-first search never reaches a depth without a node just above)."""
-        if blocks[0].unscored_hidden is None:
-            return False
-        return max(int(tree.depths.max()) for tree in trees) >= blocks[0].depth
+    def search_stopped_at_scored_depth(blocks: list[BlockDraft], deepest: int) -> bool:
+        """Whether the trees' deepest node (`deepest`, over every row) is at the deepest scored depth while deeper
+        ones wait unscored: only then could scoring them change a tree (a best-first search never reaches a depth
+        without a node just above)."""
+        return blocks[0].unscored_hidden is not None and deepest >= blocks[0].depth
 
     def shortlists(self, marginal_log_probs: torch.Tensor) -> list[Shortlist] | None:
         """The stage-2 `Shortlist` of each row of marginals `[R, D, V]`, or None when rows score the full

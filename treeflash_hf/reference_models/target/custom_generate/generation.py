@@ -215,6 +215,11 @@ def lookup_branches(rows: Rows, lookup_rates, lengths: list[int]):
     return branches, orders
 
 
+def deepest_node(trees: list) -> int:
+    """The depth of the deepest node of any of `trees`."""
+    return max(int(tree.depths.max()) for tree in trees)
+
+
 def plan_step(rows: Rows, options: TreeOptions, learned, generator: TreeFlashCandidateGenerator,
               sync: DecisionSync) -> StepPlan:
     """Stages 1-3 for every row: the lookup branches, the step kind, and (on a draft step) one batched drafter
@@ -260,10 +265,12 @@ def plan_step(rows: Rows, options: TreeOptions, learned, generator: TreeFlashCan
                                  prev_tokens=prev_tokens, scored_depth=scored)
         rows.pending = None
         plan.trees = generator.build_trees(blocks, budget, capped)
-        if generator.search_stopped_at_scored_depth(blocks, plan.trees):
+        deepest = deepest_node(plan.trees)
+        if generator.search_stopped_at_scored_depth(blocks, deepest):
             generator.score_deeper(blocks)
             plan.trees = generator.build_trees(blocks, budget, capped)
-        learned.scored_depth.observe(plan.trees)
+            deepest = deepest_node(plan.trees)
+        learned.scored_depth.observe(deepest)
         plan.drafted_depth = blocks[0].depth
         if auto_budget is not None:
             width = auto_budget.choose(plan.trees)

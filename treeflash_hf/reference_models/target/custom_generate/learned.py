@@ -2,8 +2,8 @@
 
 The lookup branch's acceptance rates (`LookupRates`), each step kind's measured time and yield
 (`StepScheduler`), how deep recent trees went (`ScoredDepth`) and, under `tree_budget="auto"`, the per-place
-acceptance rates and step overhead (`AutoBudget`) are properties of the pair on this device under these decoding settings, not of one prompt. A
-100-token call has ~40 steps, too few to learn them afresh each time, so they carry over to the next call
+acceptance rates and step overhead (`AutoBudget`) are properties of the pair on this device under these decoding
+settings, not of one prompt. A 100-token call has ~40 steps, too few to learn them afresh each time, so they carry over to the next call
 (transformers' assisted generation likewise carries its assistant's `num_assistant_tokens` across calls). They
 only decide what is verified, never what is emitted: the output stays the target's own either way.
 
@@ -46,9 +46,9 @@ class ScoredDepth:
             return limit
         return min(limit, max(max(self.recent_depths), longest_branch) + 1)
 
-    def observe(self, trees) -> None:
-        """A drafted step's trees, as searched (before any cut to a verified width)."""
-        self.recent_depths.append(max(int(tree.depths.max()) for tree in trees))
+    def observe(self, deepest: int) -> None:
+        """A drafted step's deepest node over its trees as searched (before any cut to a verified width)."""
+        self.recent_depths.append(deepest)
 
 
 @dataclass
