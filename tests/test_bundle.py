@@ -54,6 +54,19 @@ def test_bundled_target_is_a_treeflash_folder_with_the_package_engine():
             f"the bundled target's custom_generate/{name} differs from {source.name}; refresh it: {REFRESH}")
 
 
+@pytest.mark.parametrize("drafter", ["drafter", "smollm2_drafter"])
+def test_bundled_drafters_carry_the_package_model_code(drafter):
+    """Their remote code (loaded with trust_remote_code, and published with them) is `modeling/`, byte for byte."""
+    from pathlib import Path
+
+    import treeflash_hf.modeling
+
+    modeling = Path(treeflash_hf.modeling.__file__).parent
+    for name in ("configuration_treeflash_drafter.py", "modeling_treeflash_drafter.py"):
+        copy = reference.BUNDLED_DIR / drafter / name
+        assert copy.read_text() == (modeling / name).read_text(), f"copy modeling/{name} into {copy.parent}"
+
+
 def stop_string_inside(plain, tokenizer, inputs) -> str:
     """Four characters from the middle of the plain target's 64-token greedy continuation: a stop string that is
     sure to stop it early, whatever the bundled target writes."""

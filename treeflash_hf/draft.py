@@ -1,7 +1,7 @@
 """Stages 1-2 of the pipeline: one drafter forward, then the tables the tree is built from.
 
 `Q` block size, `D` deepest drafted depth (<= Q-1), `V` vocabulary, `H` hidden size, `M` top-m, `K` top-k,
-`n` number of context layers, `C` shortlist size of stage 2.
+`n` number of context layers, `C` shortlist size of stage 2, `V'` size of the draft vocabulary (V without one).
 """
 
 from __future__ import annotations
@@ -40,7 +40,8 @@ class Shortlist:
 class BlockDraft:
     """One row of a drafter forward. anchor_token: `b`; prev_token: the committed token before `b` (or -1);
     pre_norm_hidden: `[D'+1, H]` backbone outputs for slots 0..D' (every drafted depth); marginal_log_probs:
-    `[D, V]` for the depths 1..D scored so far (D <= D'); shortlist: the stage-2 vocabulary per scored depth, or None
+    `[D, V']` for the depths 1..D scored so far (D <= D'), over the draft vocabulary (`V'` = V without one; see
+    `TreeFlashCandidateGenerator.column_tokens`); shortlist: the stage-2 vocabulary per scored depth, or None
     for the full vocabulary; unscored_hidden: `[D'-D, H]` the normed outputs of the depths not scored yet (None:
     none left; `TreeFlashCandidateGenerator.score_deeper` scores them)."""
 
@@ -91,6 +92,24 @@ class ARTable:
             return None if j < 0 else (tokens[depth][j], log_probs[depth][j])
 
         return children_of
+
+
+def draft_vocabulary(drafter) -> torch.LongTensor | None:
+    """The drafter's draft vocabulary `draft_token_ids [V']` (None: it drafts from every token), checked: a
+    corrupt one would draft tokens the target does not have."""
+    token_ids = getattr(drafter, "draft_token_ids", None)
+    if token_ids is None:
+        return None
+    vocab_size = drafter.config.vocab_size
+    if (token_ids.dim() != 1 or token_ids.dtype != torch.long or token_ids.numel() == 0
+            or int(token_ids.min()) < 0 or int(token_ids.max()) >= vocab_size
+            or token_ids.unique().numel() != token_ids.numel()):
+        raise TreeFlashInputError(
+            f"The drafter's draft vocabulary (`draft_token_ids`, {token_ids.numel()} ids) is not a list of distinct "
+            f"token ids below its vocab_size {vocab_size}: the checkpoint is corrupt. Re-download or re-export "
+            "the drafter, or call `drafter.set_draft_vocab(None)` to draft from the whole vocabulary."
+        )
+    return token_ids
 
 
 def full_tensor(tensor: torch.Tensor | None) -> torch.Tensor | None:
@@ -184,6 +203,7 @@ class TargetHead:
         self.module_device = device if stored is None else stored.device  # where the head takes its inputs
         self.weight: torch.Tensor | None = None
         self.bias: torch.Tensor | None = None
+        self.kept_rows: tuple | None = None  # (identity of token ids, their weight rows, their bias)
         if is_plain_linear(lm_head):
             # plain tensors: the drafter side indexes rows and must not take part in the target's collectives
             self.weight = full_tensor(lm_head.weight).to(device)
@@ -252,15 +272,27 @@ class TargetHead:
             ) from None
         return logits.to(self.device).view(*hidden.shape[:-1], logits.shape[-1])
 
-    def logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        """`hidden [..., H]` -> logits `[..., V]`."""
+    def logits(self, hidden: torch.Tensor, token_ids: torch.LongTensor | None = None) -> torch.Tensor:
+        """`hidden [..., H]` -> logits `[..., V]`, or `[..., V']` on the tokens `token_ids [V']` only (a draft
+        vocabulary: the product reads those head rows only)."""
         if self.weight is None:
-            return self.call(hidden)
+            logits = self.call(hidden)
+            return logits if token_ids is None else logits.index_select(-1, token_ids.to(logits.device))
+        weight, bias = (self.weight, self.bias) if token_ids is None else self.rows(token_ids)
         # as 2-D rows: a 3-D input converted from float32 keeps its slice's batch stride, and a bfloat16 product
         # of that layout took 110 ms instead of 5 here (torch 2.13 on this CPU)
-        rows = hidden.reshape(-1, hidden.shape[-1]).to(self.weight.dtype)
-        logits = rows @ self.weight.T if self.bias is None else torch.addmm(self.bias, rows, self.weight.T)
+        rows = hidden.reshape(-1, hidden.shape[-1]).to(weight.dtype)
+        logits = rows @ weight.T if bias is None else torch.addmm(bias, rows, weight.T)
         return logits.to(hidden.dtype).view(*hidden.shape[:-1], logits.shape[-1])
+
+    def rows(self, token_ids: torch.LongTensor) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """The head's weight rows `[V', H]` (and bias `[V']`) of `token_ids`, gathered once into a contiguous matrix
+        and kept while the ids stay the same (a small matrix stays in the CPU's cache; the full one does not)."""
+        key = tensor_identity(token_ids)
+        if self.kept_rows is None or self.kept_rows[0] != key:
+            index = token_ids.to(self.weight.device)
+            self.kept_rows = (key, self.weight[index].contiguous(), None if self.bias is None else self.bias[index])
+        return self.kept_rows[1], self.kept_rows[2]
 
     def shortlist_logits(self, hidden: torch.Tensor, tokens: torch.LongTensor) -> torch.Tensor:
         """Logits of groups of rows `hidden [..., G, H]` on their group's tokens `tokens [..., C]` (the same leading
@@ -301,6 +333,9 @@ class TreeFlashCandidateGenerator(CandidateGenerator):
         self.input_embeddings = target.get_input_embeddings()
         config = drafter.config
         self.head = TargetHead.of(target.get_output_embeddings(), config.hidden_size, drafter.device, drafter.dtype)
+        # The draft vocabulary (`draft_token_ids [V']`, None: every token): marginals and full-vocabulary AR rows
+        # are scored on these head rows only, so their columns are positions in it (`column_tokens` maps them).
+        self.draft_vocab = draft_vocabulary(drafter)
         self.target_layer_ids = list(config.target_layer_ids)
         self.block_size = config.block_size
         self.mask_token_id = config.mask_token_id
@@ -338,6 +373,23 @@ class TreeFlashCandidateGenerator(CandidateGenerator):
     def head_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """The target's `lm_head` on drafter hidden states `[..., H]` -> `[..., V]`."""
         return self.head.logits(hidden)
+
+    def draft_log_probs(self, hidden: torch.Tensor) -> torch.Tensor:
+        """Drafting distributions of normed drafter outputs `[..., H]`: log-probs `[..., V']` over the draft
+        vocabulary (`[..., V]` without one)."""
+        return torch.log_softmax(self.head.logits(hidden, self.draft_vocab).float(), dim=-1)
+
+    def column_tokens(self, columns: torch.LongTensor) -> torch.LongTensor:
+        """Token ids of columns of `draft_log_probs` (any shape)."""
+        return columns if self.draft_vocab is None else self.draft_vocab[columns]
+
+    def full_vocabulary(self, log_probs: torch.Tensor) -> torch.Tensor:
+        """`draft_log_probs` `[..., V']` laid out over the whole vocabulary `[..., V]` (-inf off the draft
+        vocabulary), for callers that index by token id."""
+        if self.draft_vocab is None:
+            return log_probs
+        full = log_probs.new_full((*log_probs.shape[:-1], self.drafter.config.vocab_size), -float("inf"))
+        return full.index_copy_(-1, self.draft_vocab, log_probs)
 
     def context_features(self, hidden_states: tuple, positions: torch.LongTensor | slice) -> torch.Tensor:
         """Concatenate the target-layer outputs (each gathered to the drafter's device, wherever its layer runs) at
@@ -403,8 +455,9 @@ class TreeFlashCandidateGenerator(CandidateGenerator):
         ]
 
     def marginals(self, hidden: torch.Tensor) -> tuple[torch.Tensor, list[Shortlist] | None]:
-        """Normed drafter outputs `[R, D, H]` -> the marginals' log-probs `[R, D, V]` and each row's shortlist."""
-        marginal_log_probs = torch.log_softmax(self.head_logits(hidden).float(), dim=-1)
+        """Normed drafter outputs `[R, D, H]` -> the marginals' log-probs `[R, D, V']` (columns: the draft
+        vocabulary) and each row's shortlist."""
+        marginal_log_probs = self.draft_log_probs(hidden)
         shortlists = self.shortlists(marginal_log_probs) if self.options.tree_mode == "treeflash" else None
         return marginal_log_probs, shortlists
 
@@ -428,14 +481,14 @@ class TreeFlashCandidateGenerator(CandidateGenerator):
         return blocks[0].unscored_hidden is not None and deepest >= blocks[0].depth
 
     def shortlists(self, marginal_log_probs: torch.Tensor) -> list[Shortlist] | None:
-        """The stage-2 `Shortlist` of each row of marginals `[R, D, V]`, or None when rows score the full
-        vocabulary."""
+        """The stage-2 `Shortlist` of each row of marginals `[R, D, V']`, or None when rows score the full
+        (draft) vocabulary."""
         size = self.ar_shortlist
         if size is None or size >= marginal_log_probs.shape[-1] or marginal_log_probs.shape[1] == 0:
             return None
         top = marginal_log_probs.topk(size, dim=-1)  # [R, D, C], sorted
         log_mass = torch.logsumexp(top.values, dim=-1)  # [R, D]
-        return [Shortlist(tokens, mass) for tokens, mass in zip(top.indices, log_mass)]
+        return [Shortlist(tokens, mass) for tokens, mass in zip(self.column_tokens(top.indices), log_mass)]
 
     def select_rows(self, rows: torch.LongTensor) -> None:
         """Keep only `rows` of the drafter cache (finished rows leave the batch)."""
@@ -472,7 +525,7 @@ class TreeFlashCandidateGenerator(CandidateGenerator):
         top_m = min(self.options.tree_top_m, block.marginal_log_probs.shape[-1])
         if block.shortlist is not None and block.shortlist.tokens.shape[-1] >= top_m:
             return block.shortlist.tokens[:, :top_m]
-        return block.marginal_log_probs.topk(top_m, dim=-1).indices
+        return self.column_tokens(block.marginal_log_probs.topk(top_m, dim=-1).indices)
 
     def score_rows(self, corrected: torch.Tensor, shortlist_tokens: torch.LongTensor | None,
                    log_mass: torch.Tensor | None) -> tuple[torch.LongTensor, torch.Tensor]:
@@ -481,9 +534,9 @@ class TreeFlashCandidateGenerator(CandidateGenerator):
         the top-K `child_tokens` and `child_log_probs`, `[..., G, K]`, sorted."""
         top_k = self.options.tree_top_k
         if shortlist_tokens is None:
-            log_probs = torch.log_softmax(self.head_logits(corrected).float(), dim=-1)  # [..., G, V]
+            log_probs = self.draft_log_probs(corrected)  # [..., G, V']
             child = log_probs.topk(min(top_k, log_probs.shape[-1]), dim=-1)
-            return child.indices, child.values
+            return self.column_tokens(child.indices), child.values
         logits = self.head.shortlist_logits(corrected, shortlist_tokens)  # [..., G, C]
         log_probs = torch.log_softmax(logits.float(), dim=-1) + log_mass[..., None, None]
         child = log_probs.topk(min(top_k, log_probs.shape[-1]), dim=-1)
@@ -498,7 +551,7 @@ class TreeFlashCandidateGenerator(CandidateGenerator):
             return None
         lookup = torch.stack([
             torch.cat([torch.tensor([max(block.prev_token, 0), block.anchor_token], device=self.device),
-                       block.marginal_log_probs.argmax(dim=-1)])
+                       self.column_tokens(block.marginal_log_probs.argmax(dim=-1))])
             for block in blocks
         ])  # [R, D+2]: index d -> the token two back of a depth-d parent
         flat = parent_depths.reshape(len(blocks), -1).to(self.device)
@@ -565,7 +618,8 @@ class TreeFlashCandidateGenerator(CandidateGenerator):
         mode = self.options.tree_mode
         if depth <= 0 or mode == "chain":
             best = [block.marginal_log_probs[: max(depth, 0)].max(dim=-1) for block in blocks]
-            return [chain_tree(block.anchor_token, b.indices.cpu(), b.values.cpu()) for block, b in zip(blocks, best)]
+            return [chain_tree(block.anchor_token, self.column_tokens(b.indices).cpu(), b.values.cpu())
+                    for block, b in zip(blocks, best)]
 
         def search(block, lookup, children_of, prefetch=None, prefetch_size: int = 0) -> DraftTree:
             if lookup is not None and lookup[0]:
@@ -576,8 +630,9 @@ class TreeFlashCandidateGenerator(CandidateGenerator):
             # row d holds the children at depth d+1, whatever the parent
             marginal = torch.stack([b.marginal_log_probs[:depth] for b in blocks]).topk(self.options.tree_top_k,
                                                                                        dim=-1)
+            marginal_tokens = self.column_tokens(marginal.indices)
             return [search(block, lookup, table_children(tokens, values, lambda d, token: d))
-                    for block, lookup, tokens, values in zip(blocks, lookups, marginal.indices, marginal.values)]
+                    for block, lookup, tokens, values in zip(blocks, lookups, marginal_tokens, marginal.values)]
         batched_rows = 1 + (depth - 1) * self.options.tree_top_m
         lazy_cost = (budget - 1) * self.call_cost_in_rows
         if self.ar_evaluation == "batched" or (self.ar_evaluation == "auto" and lazy_cost >= batched_rows):
@@ -590,7 +645,7 @@ class TreeFlashCandidateGenerator(CandidateGenerator):
             # rows, cheap), compute those rows in one call, then search for real; rows it missed are computed on
             # demand.
             marginal = block.marginal_log_probs[:depth].topk(self.options.tree_top_k, dim=-1)
-            stand_in = table_children(marginal.indices, marginal.values,
+            stand_in = table_children(self.column_tokens(marginal.indices), marginal.values,
                                       lambda d, token: d if lazy.has_children(d, token) else -1)
             guess = best_first_tree(block.anchor_token, stand_in, budget, depth)
             lazy.prefetch(list(zip(guess.depths.tolist(), guess.tokens.tolist())))
@@ -625,7 +680,9 @@ class TreeFlashCandidateGenerator(CandidateGenerator):
             drafted = torch.multinomial(block.marginal_log_probs.exp(), 1)[:, 0]
         else:
             drafted = block.marginal_log_probs.argmax(dim=-1)
-        return torch.cat([input_ids, drafted[None].to(input_ids.device)], dim=-1), block.marginal_log_probs[None]
+        drafted = self.column_tokens(drafted)
+        candidate_log_probs = self.full_vocabulary(block.marginal_log_probs)[None]  # stock code indexes by token
+        return torch.cat([input_ids, drafted[None].to(input_ids.device)], dim=-1), candidate_log_probs
 
     def update_candidate_strategy(self, input_ids: torch.LongTensor, scores: torch.Tensor, num_matches: int):
         pass

@@ -40,7 +40,7 @@ from types import SimpleNamespace
 import numpy as np
 import torch
 
-STAGES = ("distill", "windows", "features", "backbone", "ar", "export")
+STAGES = ("distill", "vocab", "windows", "features", "backbone", "ar", "export")
 RECALIBRATION_STAGES = ("windows", "features", "ar", "export")  # the default; distill and backbone may be asked for
 MASK_TOKEN = "<empty_output>"  # id 16: a special token never used in chat; the target's embeddings are frozen
 
@@ -109,15 +109,21 @@ def distill(target, tokenizer, work: Path, args: argparse.Namespace, autocast: b
               f"{(time.time() - started) / 60:.1f} min)", flush=True)
 
 
-def distilled_windows(chunks: list[Path], length: int) -> tuple[np.ndarray, np.ndarray, dict]:
-    """The distilled conversations of `chunks`, concatenated and cut into windows `[N, length]` with loss masks
-    (prompt tokens 0, answer tokens 1), and their sizes."""
+def distilled_tokens(chunks: list[Path]) -> tuple[list[int], list[int], int]:
+    """The distilled conversations of `chunks` concatenated: token ids, loss mask (prompt tokens 0, answer tokens
+    1), and the number of requests."""
     ids, mask, requests = [], [], 0
     for path in chunks:
         for row in json.loads(path.read_text()):
             ids.extend(row["ids"])
             mask.extend([0] * row["prompt_len"] + [1] * (len(row["ids"]) - row["prompt_len"]))
             requests += 1
+    return ids, mask, requests
+
+
+def distilled_windows(chunks: list[Path], length: int) -> tuple[np.ndarray, np.ndarray, dict]:
+    """The distilled conversations of `chunks`, cut into windows `[N, length]` with loss masks, and their sizes."""
+    ids, mask, requests = distilled_tokens(chunks)
     windows, masks = cut_windows(ids, mask, length)
     return windows, masks, {"chat_requests": requests, "chat_tokens": len(ids), "chat_answer_tokens": int(sum(mask))}
 
@@ -141,20 +147,9 @@ def make_windows(tokenizer, work: Path, args: argparse.Namespace) -> tuple[np.nd
     chunks = distill_chunks(work)
     chat, chat_masks, chat_sizes = distilled_windows(chunks, length)
     split = corpus_split(site_packages=True)
-    eos = tokenizer.convert_tokens_to_ids("<|endoftext|>")
-
-    def code_stream(texts: list[str], cap: int) -> list[int]:
-        ids: list[int] = []
-        for start in range(0, len(texts), 64):
-            for row in tokenizer(texts[start : start + 64], add_special_tokens=False)["input_ids"]:
-                ids.extend(row + [eos])
-            if len(ids) >= cap:
-                break
-        return ids[:cap]
-
-    code = code_stream(split["train"], args.code_tokens)
+    code = code_stream(tokenizer, split["train"], args.code_tokens)
     code_windows, code_masks = cut_windows(code, [1] * len(code), length)
-    held_code = code_stream(split["heldout"], args.heldout_windows // 2 * length)
+    held_code = code_stream(tokenizer, split["heldout"], args.heldout_windows // 2 * length)
     held_code_windows, held_code_masks = cut_windows(held_code, [1] * len(held_code), length)
     held_chat = args.heldout_windows - len(held_code_windows)
     rng = np.random.default_rng(args.seed)
@@ -166,6 +161,52 @@ def make_windows(tokenizer, work: Path, args: argparse.Namespace) -> tuple[np.nd
     sizes = {**chat_sizes, "chat_chunks": [path.name for path in chunks], "code_tokens": len(code),
              "windows": len(windows), "heldout_windows": args.heldout_windows, "seq_len": args.seq_len}
     return windows, masks, args.heldout_windows, sizes
+
+
+def code_stream(tokenizer, texts: list[str], cap: int) -> list[int]:
+    """The first `cap` tokens of `texts` tokenized one after another, each file closed by `<|endoftext|>`."""
+    eos = tokenizer.convert_tokens_to_ids("<|endoftext|>")
+    ids: list[int] = []
+    for start in range(0, len(texts), 64):
+        for row in tokenizer(texts[start : start + 64], add_special_tokens=False)["input_ids"]:
+            ids.extend(row + [eos])
+        if len(ids) >= cap:
+            break
+    return ids[:cap]
+
+
+def choose_draft_vocab(tokenizer, work: Path, args: argparse.Namespace) -> dict:
+    """The `--draft-vocab` most frequent tokens of the training data (`training/draft_vocab.py`): the target's
+    distilled answers (answer tokens only, past the first `--heldout-windows` windows' worth of the chat stream,
+    which hold the held-out chat windows) and the training code stream, with the end-of-turn token always in.
+    Written to `<work>/draft_vocab.json`; returns its sizes."""
+    from .reference import corpus_split
+    from .training.draft_vocab import frequent_tokens
+
+    ids, mask, requests = distilled_tokens(distill_chunks(work))
+    skip = args.heldout_windows * (args.seq_len + 1)
+    answers = [token for token, answer in zip(ids[skip:], mask[skip:]) if answer]
+    code = code_stream(tokenizer, corpus_split(site_packages=True)["train"], args.code_tokens)
+    required = [tokenizer.convert_tokens_to_ids(token) for token in ("<|im_end|>", "<|endoftext|>")]
+    token_ids, coverage = frequent_tokens([answers, code], args.draft_vocab, len(tokenizer), required)
+    answer_coverage = frequent_coverage(answers, token_ids)
+    sizes = {"size": len(token_ids), "answer_tokens": len(answers), "answer_requests": requests,
+             "code_tokens": len(code), "coverage": round(coverage, 4), "answer_coverage": round(answer_coverage, 4)}
+    (work / "draft_vocab.json").write_text(json.dumps({**sizes, "token_ids": token_ids.tolist()}))
+    print(f"vocab: {len(token_ids)} tokens cover {answer_coverage:.1%} of {len(answers)} answer tokens "
+          f"({coverage:.1%} with {len(code)} code tokens)")
+    return sizes
+
+
+def frequent_coverage(tokens: list[int], token_ids: torch.Tensor) -> float:
+    """The share of `tokens` that are in `token_ids`."""
+    return float(np.isin(np.asarray(tokens), token_ids.numpy()).mean()) if tokens else 1.0
+
+
+def load_draft_vocab(work: Path) -> torch.LongTensor | None:
+    """The token ids the `vocab` stage chose, or None when it has not run."""
+    path = work / "draft_vocab.json"
+    return torch.tensor(json.loads(path.read_text())["token_ids"], dtype=torch.long) if path.exists() else None
 
 
 def add_chat_windows(work: Path, store_dir: Path, args: argparse.Namespace) -> dict | None:
@@ -274,6 +315,10 @@ def run(args: argparse.Namespace) -> int:
         distill(target, tokenizer, work, args, autocast=not recalibrating,
                 requests_from=Path(args.windows_from).parent / "distill" / "requests.json" if recalibrating else None)
         record("distill_minutes", summary.get("distill_minutes", 0.0) + (time.time() - started) / 60)
+    if "vocab" in args.stages and args.draft_vocab:
+        record("draft_vocab", choose_draft_vocab(tokenizer, work, args))
+        if "export" not in args.stages:  # a drafter already made: give it the vocabulary in place
+            apply_draft_vocab(out, load_draft_vocab(work), summary["draft_vocab"])
     store_dir = work / "features"
     drafter = initial_drafter(args.init, target) if recalibrating else new_drafter(target, args, tokenizer)
     if "windows" in args.stages and not (store_dir / "store.json").exists():
@@ -319,6 +364,8 @@ def run(args: argparse.Namespace) -> int:
             record(stage_key(stage, args.backbone_run if stage == "backbone" else args.ar_run), stage_summary)
     if "export" in args.stages:
         load_stage(drafter, run_dirs["ar"])
+        if args.draft_vocab and (token_ids := load_draft_vocab(work)) is not None:
+            drafter.set_draft_vocab(token_ids)
         export(drafter, out, summary, args.target_quant,
                stage_history(summary, stage_key("backbone", args.backbone_run), "continues")
                + stage_history(summary, stage_key("ar", args.ar_run), "ar_layer_from"))
@@ -370,6 +417,38 @@ def load_stage(drafter, run_dir: Path, only_prefix: str | None = None) -> None:
     drafter.load_state_dict(weights)
 
 
+def apply_draft_vocab(folder: Path, token_ids: torch.LongTensor, sizes: dict) -> None:
+    """Give the drafter saved in `folder` the draft vocabulary `token_ids` (weights unchanged), recorded in its
+    training summary."""
+    from transformers import AutoModel
+
+    import treeflash_hf  # noqa: F401  (registers the drafter classes)
+
+    drafter = AutoModel.from_pretrained(folder, dtype=torch.bfloat16)
+    drafter.set_draft_vocab(token_ids)
+    drafter.save_pretrained(folder)
+    summary_file = folder / "training_summary.json"
+    summary = json.loads(summary_file.read_text()) if summary_file.exists() else {}
+    summary_file.write_text(json.dumps({**summary, "draft_vocab": sizes}, indent=2))
+    add_draft_vocab_note(folder, sizes)
+    print(f"saved the draft vocabulary ({len(token_ids)} tokens) into {folder}")
+
+
+DRAFT_VOCAB_HEADING = "## Draft vocabulary"
+
+
+def add_draft_vocab_note(folder: Path, sizes: dict) -> None:
+    """Say in the drafter's README which tokens it drafts from (replacing an earlier such section)."""
+    readme = folder / "README.md"
+    text = readme.read_text().split(f"\n{DRAFT_VOCAB_HEADING}")[0].rstrip() if readme.exists() else ""
+    note = (f"{DRAFT_VOCAB_HEADING}\n\nDrafts come from {sizes['size']:,} tokens (`draft_token_ids`): the most "
+            f"frequent of the training data (the target's answers to {sizes['answer_requests']:,} training requests, "
+            f"{sizes['answer_tokens']:,} answer tokens, and {sizes['code_tokens']:,} tokens of the code corpus; they "
+            f"cover {sizes['answer_coverage']:.1%} of those answer tokens). The target's head scores drafts on these "
+            "rows only; verification uses the whole head, so the output is unchanged.\n")
+    readme.write_text(f"{text}\n\n{note}" if text else note)
+
+
 def export(drafter, out: Path, summary: dict, target_quant: str = "none",
            stage_keys: tuple[str, ...] = ("backbone", "ar")) -> None:
     """The drafter in bfloat16 with the reference tree defaults, its training summary and README; `stage_keys`: the
@@ -387,7 +466,8 @@ def export(drafter, out: Path, summary: dict, target_quant: str = "none",
     (out / "training_summary.json").write_text(json.dumps({**stages, "data": summary.get("data", {}),
                                                            "data_added": summary.get("data_added", []),
                                                            "distill_minutes": summary.get("distill_minutes"),
-                                                           "features_minutes": summary.get("features_minutes")},
+                                                           "features_minutes": summary.get("features_minutes"),
+                                                           "draft_vocab": summary.get("draft_vocab")},
                                                           indent=2))
     title = "TreeFlash drafter for SmolLM2-135M-Instruct (the `smollm2-135m` pair), trained by " \
             "`treeflash-hf reference train-drafter`."
@@ -399,6 +479,8 @@ def export(drafter, out: Path, summary: dict, target_quant: str = "none",
                   f"by {describe(target_quant)}.")
     write_readme(out, title, stages, sum(p.numel() for p in drafter.parameters()),
                  torch.bfloat16, recipe="reference train-drafter")
+    if getattr(drafter, "draft_token_ids", None) is not None and summary.get("draft_vocab"):
+        add_draft_vocab_note(out, summary["draft_vocab"])
     drafter.to(torch.float32)
     print(f"saved {out}")
 
@@ -429,6 +511,9 @@ def add_parser(subparsers) -> None:
     parser.add_argument("--distill-tokens", type=int, default=192, help="new tokens per answer at most")
     parser.add_argument("--distill-minutes", type=float, default=15)
     parser.add_argument("--code-tokens", type=int, default=600_000)
+    parser.add_argument("--draft-vocab", type=int, default=8192,
+                        help="tokens the drafter drafts from (stage vocab: the most frequent of the training data; "
+                             "0: the whole vocabulary)")
     parser.add_argument("--seq-len", type=int, default=512)
     parser.add_argument("--heldout-windows", type=int, default=8)
     parser.add_argument("--top-k", type=int, default=16, help="teacher log-probs kept per position")

@@ -226,6 +226,10 @@ class TreeFlashDrafterModel(TreeFlashDrafterPreTrainedModel):
         self.norm = TreeFlashRMSNorm(config.hidden_size, eps=config.rms_norm_eps)
         self.rotary_emb = TreeFlashRotaryEmbedding(config)
         self.ar_approximation = TreeFlashARLayer(config)
+        if config.draft_vocab_size is not None:
+            # `[draft_vocab_size]` target token ids the drafter drafts from (saved with the weights; set by
+            # `set_draft_vocab` or loaded from a checkpoint)
+            self.register_buffer("draft_token_ids", torch.arange(config.draft_vocab_size), persistent=True)
         # Decoding knobs read by the TreeFlash engine (defaults from the config; per-call overrides win).
         self.generation_config = GenerationConfig(
             tree_mode=config.tree_mode,
@@ -235,6 +239,21 @@ class TreeFlashDrafterModel(TreeFlashDrafterPreTrainedModel):
             tree_lookup=config.tree_lookup,
         )
         self.post_init()
+
+    def set_draft_vocab(self, token_ids: torch.Tensor | None) -> None:
+        """Draft from the target tokens `token_ids` `[Vd]` only (distinct ids of the target's vocabulary, most
+        useful first), or from the whole vocabulary when None."""
+        if token_ids is None:
+            self.config.draft_vocab_size = None
+            self._buffers.pop("draft_token_ids", None)
+            return
+        token_ids = torch.as_tensor(token_ids, dtype=torch.long).flatten()
+        in_range = bool(((token_ids >= 0) & (token_ids < self.config.vocab_size)).all())
+        if token_ids.numel() == 0 or not in_range or token_ids.unique().numel() != token_ids.numel():
+            raise ValueError(f"A draft vocabulary must be distinct token ids in [0, {self.config.vocab_size}) "
+                             f"(got {token_ids.numel()} ids).")
+        self.config.draft_vocab_size = int(token_ids.numel())
+        self.register_buffer("draft_token_ids", token_ids.to(self.fc.weight.device), persistent=True)
 
     def project_context(self, context_hidden_states: torch.Tensor) -> torch.Tensor:
         """`[B, C, n*H]` concatenated target-layer outputs -> `[B, C, H]` context features."""
