@@ -2,6 +2,7 @@
 scored on those head rows only; verification, and so the output, stays the target's."""
 
 import json
+import math
 from unittest import mock
 
 import pytest
@@ -175,3 +176,17 @@ def test_recipe_gives_a_saved_drafter_its_draft_vocab(pair, tmp_path):
     readme = (folder / "README.md").read_text()
     assert readme.startswith("# drafter") and readme.count(DRAFT_VOCAB_HEADING) == 1 and "128 tokens" in readme
     assert json.loads((folder / "training_summary.json").read_text())["draft_vocab"] == sizes
+
+
+def test_a_top_k_teacher_on_a_draft_vocab_drops_the_tokens_outside_it():
+    """Cached features keep the target's top-K: on a draft vocabulary its entries become columns, and entries
+    outside it count nothing in the KL (as the tail beyond K counts nothing)."""
+    from treeflash_hf.training.drafter import Teacher
+
+    vocab = torch.tensor([7, 2, 5, 0])
+    teacher = Teacher(torch.log(torch.tensor([[0.5, 0.3, 0.2]])), torch.tensor([[2, 6, 0]]))
+    columns = teacher.on_columns(vocab, 8)
+    assert columns.ids.tolist() == [[1, 0, 3]] and columns.log_probs[0, 1] == -float("inf")
+    q = torch.log(torch.tensor([[0.1, 0.4, 0.2, 0.3]]))
+    expected = 0.5 * (math.log(0.5) - math.log(0.4)) + 0.2 * (math.log(0.2) - math.log(0.3))
+    assert columns.kl(q).item() == pytest.approx(expected, rel=1e-5)

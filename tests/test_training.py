@@ -84,12 +84,28 @@ def test_resume_continues_bit_for_bit(tmp_path, tiny):
     assert all(torch.equal(uninterrupted[k], resumed[k]) for k in uninterrupted)
 
 
-@pytest.mark.parametrize("decay", [0.5, 7.0])
-def test_loss_is_weighted_kl_to_the_verifier(tiny, decay):
+def draft_vocab(kind: str) -> torch.LongTensor | None:
+    """None; every token in a shuffled order; or half the tokens (the data pattern's among them)."""
+    if kind == "none":
+        return None
+    order = torch.randperm(VOCAB, generator=torch.Generator().manual_seed(2))
+    if kind == "all_shuffled":
+        return order
+    pattern = torch.tensor([3, 17, 5, 40, 22, 9, 61, 13])
+    return torch.cat([pattern, order[~torch.isin(order, pattern)][: VOCAB // 2 - len(pattern)]])
+
+
+@pytest.mark.parametrize("decay,vocab", [(0.5, "none"), (7.0, "none"), (7.0, "all_shuffled"), (7.0, "half")])
+def test_loss_is_weighted_kl_to_the_verifier(tiny, decay, vocab):
     """Recompute the loss of one block independently: the target's distributions (not the data tokens), the
-    drafter run through its inference path on exactly the context before the anchor, weights exp(-(k-1)/decay)."""
+    drafter run through its inference path on exactly the context before the anchor, weights exp(-(k-1)/decay).
+    With a draft vocabulary, `q` is over its tokens and `p` restricted to them (not renormalised)."""
     target, drafter, data = tiny
     drafter = randomise_ar_layer(drafter, std=0.3)
+    token_ids = draft_vocab(vocab)
+    if token_ids is not None:
+        drafter.set_draft_vocab(token_ids)
+    keep = slice(None) if token_ids is None else token_ids
     ids = data.batch(3, 1)
     config = DrafterLossConfig(stage="ar", num_anchors=1, decay=decay)
     loss, _ = drafter_loss(target, drafter, ids, config, torch.Generator().manual_seed(5))
@@ -106,9 +122,9 @@ def test_loss_is_weighted_kl_to_the_verifier(tiny, decay):
                     position_ids=torch.arange(0, anchor + 4)[None]).pre_norm_hidden_state[0]
         expected_num, expected_den = 0.0, 0.0
         for k in range(1, 4):
-            p = torch.log_softmax(out.logits[0, anchor + k - 1].float(), -1)
+            p = torch.log_softmax(out.logits[0, anchor + k - 1].float(), -1)[keep]
             prev = embed(tokens[0, anchor + k - 1])
-            q = torch.log_softmax(head(drafter.ar_corrected_hidden_states(h[k], prev)).float(), -1)
+            q = torch.log_softmax(head(drafter.ar_corrected_hidden_states(h[k], prev))[keep].float(), -1)
             weight = math.exp(-(k - 1) / decay)
             expected_num += weight * float((p.exp() * (p - q)).sum())
             expected_den += weight

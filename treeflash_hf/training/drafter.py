@@ -5,7 +5,9 @@ features and its next-token distributions `p`. `A` anchors per sequence each mak
 `[x_a, MASK, ..., MASK]` (`Q` = block size) that sees context strictly before `a` and is bidirectional inside;
 blocks don't see each other. Slot k (1..Q-1) of a block predicts the token at `a + k`; its loss is
 `w_k * KL(p_{a+k} || q)` with `w_k = exp(-(k-1) / decay)`, where `q` is the marginal (stage backbone) or the
-AR-corrected distribution given the true previous token (stage ar).
+AR-corrected distribution given the true previous token (stage ar). A drafter with a draft vocabulary
+(`draft_token_ids`, `V'` tokens) is trained as it drafts: `q` over those tokens only, `p` restricted to them (its
+mass elsewhere dropped, like a top-K teacher's tail), which also makes the head's product `V / V'` times cheaper.
 """
 
 from __future__ import annotations
@@ -62,6 +64,13 @@ def sample_anchors(batch: int, seq_len: int, block_size: int, num_anchors: int, 
     return 1 + torch.multinomial(useful, num_anchors, replacement=True, generator=generator)
 
 
+def column_index(token_ids: torch.LongTensor, vocab_size: int, device: torch.device) -> torch.LongTensor:
+    """`[V]`: each token's column in the draft vocabulary `token_ids [V']`, -1 for tokens outside it."""
+    columns = torch.full((vocab_size,), -1, dtype=torch.long, device=device)
+    columns[token_ids.to(device)] = torch.arange(len(token_ids), device=device)
+    return columns
+
+
 @dataclass
 class Teacher:
     """The verifier's next-token log-probs at every context position: row j predicts token j + 1. log_probs:
@@ -82,10 +91,35 @@ class Teacher:
         return best if self.ids is None else self.ids.gather(-1, best[..., None])[..., 0]
 
     def kl(self, drafter_log_probs: torch.Tensor) -> torch.Tensor:
-        """`KL(p || q)` per row for the drafter's full-vocabulary log-probs `[..., V]`, over the teacher's entries
-        (a top-K teacher drops the tail beyond its K tokens, whose mass it does not know)."""
+        """`KL(p || q)` per row for the drafter's log-probs `[..., V]`, over the teacher's entries (a top-K teacher
+        drops the tail beyond its K tokens, whose mass it does not know; entries of log-prob -inf count nothing)."""
         q = drafter_log_probs if self.ids is None else drafter_log_probs.gather(-1, self.ids)
-        return (self.log_probs.exp() * (self.log_probs - q)).sum(-1)
+        difference = (self.log_probs - q).masked_fill(self.log_probs == -float("inf"), 0.0)  # (no inf * 0)
+        return (self.log_probs.exp() * difference).sum(-1)
+
+    def on_columns(self, token_ids: torch.LongTensor, vocab_size: int) -> "Teacher":
+        """The teacher over a draft vocabulary `token_ids [V']`: entries indexed by columns of it (`ids [..., K]`
+        always set), log-prob -inf for tokens outside it."""
+        if self.ids is None:
+            return Teacher(self.log_probs[..., token_ids.to(self.log_probs.device)], None)
+        columns = column_index(token_ids, vocab_size, self.ids.device)[self.ids]
+        return Teacher(self.log_probs.masked_fill(columns < 0, -float("inf")), columns.clamp(min=0))
+
+
+def draft_head_log_probs(lm_head: torch.nn.Module, hidden: torch.Tensor,
+                         token_ids: torch.LongTensor | None) -> torch.Tensor:
+    """The drafter's log-probs `[..., V']` from the target's (frozen) head on `hidden [..., H]`: on the rows of the
+    draft vocabulary `token_ids` only (a plain `nn.Linear` head is multiplied by those rows), `[..., V]` when
+    None."""
+    if token_ids is None:
+        logits = lm_head(hidden)
+    elif type(lm_head) is torch.nn.Linear:
+        index = token_ids.to(lm_head.weight.device)
+        logits = torch.nn.functional.linear(hidden, lm_head.weight[index],
+                                            None if lm_head.bias is None else lm_head.bias[index])
+    else:
+        logits = lm_head(hidden).index_select(-1, token_ids.to(hidden.device))
+    return torch.log_softmax(logits.float(), dim=-1)
 
 
 def target_teacher(target, tokens: torch.LongTensor, layer_ids: list[int]) -> tuple[torch.Tensor, Teacher]:
@@ -161,7 +195,11 @@ def block_loss_terms(
             if config.ar_num_prev_tokens == 2:
                 prev2_embeds = embed(tokens.gather(1, predicted_pos - 2)).view_as(hidden)
         final_hidden = drafter.ar_corrected_hidden_states(hidden, prev_embeds, prev2_embeds)
-    drafter_logp = torch.log_softmax(lm_head(final_hidden).float(), dim=-1).view(batch, predicted_pos.shape[1], -1)
+    token_ids = getattr(drafter, "draft_token_ids", None)  # [V'] the draft vocabulary, or None
+    drafter_logp = draft_head_log_probs(lm_head, final_hidden, token_ids).view(batch, predicted_pos.shape[1], -1)
+    target_tokens = teacher.argmax()  # [B, A*(Q-1)] the verifier's greedy tokens
+    if token_ids is not None:
+        teacher = teacher.on_columns(token_ids, config.vocab_size)
 
     kl = teacher.kl(drafter_logp)  # [B, A*(Q-1)]
     weights = slot_weights(block, loss_config.decay).to(device).repeat(num_anchors)[None].expand(batch, -1)
@@ -170,11 +208,17 @@ def block_loss_terms(
     per_slot = kl
     if loss_config.ce_weight:
         labels = input_ids.to(device).gather(1, predicted_pos)
-        ce = -drafter_logp.gather(-1, labels[..., None])[..., 0]
+        if token_ids is not None:  # as columns of the draft vocabulary; a label outside it gets no CE term
+            labels = column_index(token_ids, config.vocab_size, device)[labels]
+        ce = -drafter_logp.gather(-1, labels.clamp(min=0)[..., None])[..., 0]
+        if token_ids is not None:
+            ce = ce.masked_fill(labels < 0, 0.0)
         per_slot = (1 - loss_config.ce_weight) * kl + loss_config.ce_weight * ce
     with torch.no_grad():
         weight = weights.sum()
-        agree = (drafter_logp.argmax(-1) == teacher.argmax()).float().view(batch, num_anchors, block - 1)
+        drafted = drafter_logp.argmax(-1)
+        drafted = drafted if token_ids is None else token_ids.to(device)[drafted]
+        agree = (drafted == target_tokens.to(device)).float().view(batch, num_anchors, block - 1)
         blocks = batch * num_anchors
         metrics = {"kl": ((kl * weights).sum(), weight),
                    "top1_slot1": (agree[:, :, 0].sum(), blocks), "top1_mean": (agree.sum(), agree.numel()),
