@@ -149,6 +149,10 @@ def test_head_rows_of_the_draft_vocab_are_gathered_once(pair):
     rows = head.rows(vocab)[0]
     assert head.rows(vocab)[0] is rows  # kept while the ids are the same
     assert head.rows(half_vocab(seed=6))[0] is not rows
+    # a head without a dense weight (called as a module) scores every token, then keeps the draft vocabulary's
+    called = TargetHead(torch.nn.Sequential(target.lm_head), 64, torch.device("cpu"), torch.float32)
+    assert called.weight is None
+    torch.testing.assert_close(called.logits(hidden, vocab), head.logits(hidden, vocab))
 
 
 def test_frequent_tokens_rank_by_count_and_keep_required_tokens():
