@@ -194,3 +194,33 @@ def test_a_top_k_teacher_on_a_draft_vocab_drops_the_tokens_outside_it():
     q = torch.log(torch.tensor([[0.1, 0.4, 0.2, 0.3]]))
     expected = 0.5 * (math.log(0.5) - math.log(0.4)) + 0.2 * (math.log(0.2) - math.log(0.3))
     assert columns.kl(q).item() == pytest.approx(expected, rel=1e-5)
+
+
+def test_a_run_resumes_after_its_drafter_got_a_draft_vocab(tmp_path):
+    """A drafter's draft vocabulary is a decoding choice saved with it, not a weight: a run checkpointed without one
+    resumes into a drafter that has one (and the other way round), keeping the drafter's."""
+    from treeflash_hf.training.checkpoint import latest_checkpoint, load_checkpoint
+    from treeflash_hf.training.data import TokenStream
+    from treeflash_hf.training.drafter import DrafterLossConfig, train_drafter
+    from treeflash_hf.training.loop import LoopConfig
+
+    target = random_target("qwen3", vocab_size=96, hidden_size=32, num_layers=3, num_heads=2, num_kv_heads=1, seed=0)
+    data = TokenStream(torch.tensor([3, 17, 5, 40, 22, 9, 61, 13] * 200).numpy(), seq_len=24, seed=0)
+    vocab = torch.arange(0, 96, 2)
+    for first, then in ((None, vocab), (vocab, None)):
+        drafter = matching_drafter(target, num_layers=1, block_size=4, seed=1)
+        drafter.set_draft_vocab(first)
+        run = tmp_path / f"run-{first is None}"
+        config = dict(run_dir=str(run), batch_size=2, lr=1e-3, warmup_steps=1, eval_every=100, save_every=2)
+        loss = DrafterLossConfig(stage="backbone", num_anchors=2)
+        train_drafter(target, drafter, data, [], loss, LoopConfig(max_steps=2, **config))
+        saved = load_checkpoint(latest_checkpoint(run))["model"]
+        drafter.set_draft_vocab(then)
+        with torch.no_grad():
+            drafter.fc.weight.zero_()  # resuming must bring the checkpoint's weights back
+        train_drafter(target, drafter, data, [], loss, LoopConfig(max_steps=3, resume=True, **config))
+        torch.testing.assert_close(drafter.fc.weight, saved["fc.weight"], atol=5e-3, rtol=0)
+        assert drafter.fc.weight.abs().sum() > 0
+        assert (getattr(drafter, "draft_token_ids", None) is None) == (then is None)
+        assert load_checkpoint(latest_checkpoint(run))["step"] == 3
+        assert set(saved) - {"draft_token_ids"} <= set(drafter.state_dict())

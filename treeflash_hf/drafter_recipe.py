@@ -5,17 +5,21 @@ session; a stage whose output exists is skipped):
 1. `distill`: the target's own greedy answers (self-distillation, as DFlash trains) to training requests
    (`prompt_sets.training_requests`: from docstrings of the training corpus, topics and arithmetic templates; never
    the evaluation set, never HumanEval), batched, saved chunk by chunk.
-2. `windows`: fixed windows of `--seq-len + 1` tokens: the chat answers (loss on the answer tokens only) and the
+2. `vocab` (`--draft-vocab N`): the N most frequent tokens of the distilled answers and the code stream, the
+   drafter's draft vocabulary (`training/draft_vocab.py`): the drafter the recipe makes trains on it (the head's
+   product `V / N` times cheaper) and drafts from it; without `export` in the stages it is written into the drafter
+   already in `--out` (weights unchanged).
+3. `windows`: fixed windows of `--seq-len + 1` tokens: the chat answers (loss on the answer tokens only) and the
    code corpus (`reference.corpus_split`: standard library and site-packages, reserved packages excluded), shuffled;
    the first windows (held-out code and the first chat answers) are the held-out set. On an existing store, the
    distilled chunks it does not list yet (a later `distill` run) are appended as new training windows.
-3. `features`: the frozen target runs once over every window (`training/features.py`): context features and its
+4. `features`: the frozen target runs once over every window (`training/features.py`): context features and its
    top-K next-token log-probs, kept for every epoch of the stages below.
-4. `backbone`, then `ar`: the drafter stages of `training/drafter.py`, from the cached features (`--chat-fraction`:
+5. `backbone`, then `ar`: the drafter stages of `training/drafter.py`, from the cached features (`--chat-fraction`:
    that share of each batch from chat windows; `--backbone-init RUN` starts a new `--backbone-run` schedule from an
    earlier backbone run, a continuation on grown data; `--ar-init RUN` starts a new `--ar-run` from an earlier AR
    layer on that backbone).
-5. `export`: the drafter in bfloat16 with its tree defaults, README and training summary, into `--out`.
+6. `export`: the drafter in bfloat16 with its tree defaults, README and training summary, into `--out`.
 
 Recalibration (`--target-quant SPEC`): the same recipe fits a trained drafter to a quantized copy of the target.
 `windows` takes the first `--recalibration-windows` training windows (and the held-out ones) of the full-precision
@@ -189,18 +193,13 @@ def choose_draft_vocab(tokenizer, work: Path, args: argparse.Namespace) -> dict:
     code = code_stream(tokenizer, corpus_split(site_packages=True)["train"], args.code_tokens)
     required = [tokenizer.convert_tokens_to_ids(token) for token in ("<|im_end|>", "<|endoftext|>")]
     token_ids, coverage = frequent_tokens([answers, code], args.draft_vocab, len(tokenizer), required)
-    answer_coverage = frequent_coverage(answers, token_ids)
+    answer_coverage = float(np.isin(np.asarray(answers), token_ids.numpy()).mean()) if answers else 1.0
     sizes = {"size": len(token_ids), "answer_tokens": len(answers), "answer_requests": requests,
              "code_tokens": len(code), "coverage": round(coverage, 4), "answer_coverage": round(answer_coverage, 4)}
     (work / "draft_vocab.json").write_text(json.dumps({**sizes, "token_ids": token_ids.tolist()}))
     print(f"vocab: {len(token_ids)} tokens cover {answer_coverage:.1%} of {len(answers)} answer tokens "
           f"({coverage:.1%} with {len(code)} code tokens)")
     return sizes
-
-
-def frequent_coverage(tokens: list[int], token_ids: torch.Tensor) -> float:
-    """The share of `tokens` that are in `token_ids`."""
-    return float(np.isin(np.asarray(tokens), token_ids.numpy()).mean()) if tokens else 1.0
 
 
 def load_draft_vocab(work: Path) -> torch.LongTensor | None:
@@ -318,9 +317,14 @@ def run(args: argparse.Namespace) -> int:
     if "vocab" in args.stages and args.draft_vocab:
         record("draft_vocab", choose_draft_vocab(tokenizer, work, args))
         if "export" not in args.stages:  # a drafter already made: give it the vocabulary in place
+            if not (out / "config.json").is_file():
+                raise SystemExit(f"error: stage vocab gives the drafter in --out ({out}) its draft vocabulary, and "
+                                 "there is none there: point --out at a drafter folder, or add the export stage.")
             apply_draft_vocab(out, load_draft_vocab(work), summary["draft_vocab"])
     store_dir = work / "features"
     drafter = initial_drafter(args.init, target) if recalibrating else new_drafter(target, args, tokenizer)
+    if not recalibrating and args.draft_vocab and (token_ids := load_draft_vocab(work)) is not None:
+        drafter.set_draft_vocab(token_ids)  # trained as it will draft (and the head's product V / V' cheaper)
     if "windows" in args.stages and not (store_dir / "store.json").exists():
         layer_ids = list(drafter.config.target_layer_ids)
         if recalibrating:
@@ -364,8 +368,6 @@ def run(args: argparse.Namespace) -> int:
             record(stage_key(stage, args.backbone_run if stage == "backbone" else args.ar_run), stage_summary)
     if "export" in args.stages:
         load_stage(drafter, run_dirs["ar"])
-        if args.draft_vocab and (token_ids := load_draft_vocab(work)) is not None:
-            drafter.set_draft_vocab(token_ids)
         export(drafter, out, summary, args.target_quant,
                stage_history(summary, stage_key("backbone", args.backbone_run), "continues")
                + stage_history(summary, stage_key("ar", args.ar_run), "ar_layer_from"))
@@ -406,7 +408,7 @@ def initial_drafter(path: str, target):
 def load_stage(drafter, run_dir: Path, only_prefix: str | None = None) -> None:
     """The drafter weights of the last checkpoint of a stage (`only_prefix`: only the parameters whose names start
     with it, the rest kept)."""
-    from .training.checkpoint import latest_checkpoint, load_checkpoint
+    from .training.checkpoint import latest_checkpoint, load_checkpoint, with_own_draft_vocab
 
     checkpoint = latest_checkpoint(run_dir)
     if checkpoint is None:
@@ -414,7 +416,7 @@ def load_stage(drafter, run_dir: Path, only_prefix: str | None = None) -> None:
     weights = load_checkpoint(checkpoint)["model"]
     if only_prefix is not None:
         weights = {**drafter.state_dict(), **{k: v for k, v in weights.items() if k.startswith(only_prefix)}}
-    drafter.load_state_dict(weights)
+    drafter.load_state_dict(with_own_draft_vocab(drafter, weights))
 
 
 def apply_draft_vocab(folder: Path, token_ids: torch.LongTensor, sizes: dict) -> None:

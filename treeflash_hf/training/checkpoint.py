@@ -62,6 +62,18 @@ def save_checkpoint(run_dir: Path, step: int, state: dict, meta: dict, keep: int
     return final
 
 
+DRAFT_VOCAB_KEY = "draft_token_ids"  # a drafter's draft vocabulary: a decoding choice saved with it, not a weight
+
+
+def with_own_draft_vocab(model: torch.nn.Module, weights: dict) -> dict:
+    """`weights` (a checkpoint's state dict) for loading into `model`, with `model`'s own draft vocabulary (or none
+    when it has none) in place of the checkpoint's: a run resumed or continued after a drafter was given a draft
+    vocabulary, or had it removed, loads its weights as they are."""
+    weights = {name: value for name, value in weights.items() if name != DRAFT_VOCAB_KEY}
+    own = getattr(model, DRAFT_VOCAB_KEY, None)
+    return weights if own is None else {**weights, DRAFT_VOCAB_KEY: own}
+
+
 def latest_checkpoint(run_dir: Path) -> Path | None:
     pointer = Path(run_dir) / "latest"
     if not pointer.exists():

@@ -21,7 +21,7 @@ from pathlib import Path
 import torch
 from tqdm.auto import tqdm
 
-from .checkpoint import latest_checkpoint, load_checkpoint, save_checkpoint, set_rng_state
+from .checkpoint import latest_checkpoint, load_checkpoint, save_checkpoint, set_rng_state, with_own_draft_vocab
 
 
 @dataclass
@@ -172,7 +172,7 @@ def train_loop(
     start_step, curve, runs = 0, [], []  # runs: steps, tokens and minutes of each earlier run of this schedule
     if config.resume and (checkpoint := latest_checkpoint(run_dir)) is not None:
         state = load_checkpoint(checkpoint)
-        model.load_state_dict(state["model"])
+        model.load_state_dict(with_own_draft_vocab(model, state["model"]))
         optimizer.load_state_dict(state["optimizer"])
         scheduler.load_state_dict(state["scheduler"])
         set_rng_state(state["rng"])
