@@ -224,3 +224,20 @@ def test_a_run_resumes_after_its_drafter_got_a_draft_vocab(tmp_path):
         assert (getattr(drafter, "draft_token_ids", None) is None) == (then is None)
         assert load_checkpoint(latest_checkpoint(run))["step"] == 3
         assert set(saved) - {"draft_token_ids"} <= set(drafter.state_dict())
+
+
+@pytest.mark.parametrize("mode", ["marginal_tree", "treeflash"])
+def test_a_draft_vocab_smaller_than_top_k_still_drafts(pair, mode):
+    target, drafter = pair
+    drafter.set_draft_vocab(torch.tensor([5, 9, 1]))
+    try:
+        reference = target.generate(PROMPTS[0], max_new_tokens=12, do_sample=False)
+        for evaluation in ("batched", "lazy"):
+            options = TreeOptions(tree_mode=mode, tree_budget=8, tree_top_m=4, tree_top_k=4)
+            generator, block = draft_once(target, drafter, PROMPTS[0], options, ar_evaluation=evaluation)
+            assert set(generator.build_tree(block, 8).tokens[1:].tolist()) <= {5, 9, 1}
+        out = target.generate(PROMPTS[0], assistant_model=drafter, max_new_tokens=12, do_sample=False,
+                              tree_mode=mode, tree_budget=8, tree_top_m=4, tree_top_k=4)
+    finally:
+        drafter.set_draft_vocab(None)
+    assert torch.equal(out, reference)

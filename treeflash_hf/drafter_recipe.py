@@ -192,6 +192,7 @@ def choose_draft_vocab(tokenizer, work: Path, args: argparse.Namespace) -> dict:
     answers = [token for token, answer in zip(ids[skip:], mask[skip:]) if answer]
     code = code_stream(tokenizer, corpus_split(site_packages=True)["train"], args.code_tokens)
     required = [tokenizer.convert_tokens_to_ids(token) for token in ("<|im_end|>", "<|endoftext|>")]
+    required = [token for token in required if token is not None and token != tokenizer.unk_token_id]
     token_ids, coverage = frequent_tokens([answers, code], args.draft_vocab, len(tokenizer), required)
     answer_coverage = float(np.isin(np.asarray(answers), token_ids.numpy()).mean()) if answers else 1.0
     sizes = {"size": len(token_ids), "answer_tokens": len(answers), "answer_requests": requests,
@@ -315,7 +316,13 @@ def run(args: argparse.Namespace) -> int:
                 requests_from=Path(args.windows_from).parent / "distill" / "requests.json" if recalibrating else None)
         record("distill_minutes", summary.get("distill_minutes", 0.0) + (time.time() - started) / 60)
     if "vocab" in args.stages and args.draft_vocab:
-        record("draft_vocab", choose_draft_vocab(tokenizer, work, args))
+        chosen = load_draft_vocab(work)
+        if chosen is not None and len(chosen) != args.draft_vocab:
+            raise SystemExit(f"error: {work}/draft_vocab.json holds {len(chosen)} tokens, not --draft-vocab "
+                             f"{args.draft_vocab}: the drafter of this work folder trains on that one; remove the "
+                             "file to choose again (and retrain), or pass its size.")
+        if chosen is None:  # chosen once per work folder: every stage trains on the same vocabulary
+            record("draft_vocab", choose_draft_vocab(tokenizer, work, args))
         if "export" not in args.stages:  # a drafter already made: give it the vocabulary in place
             if not (out / "config.json").is_file():
                 raise SystemExit(f"error: stage vocab gives the drafter in --out ({out}) its draft vocabulary, and "
@@ -426,7 +433,7 @@ def apply_draft_vocab(folder: Path, token_ids: torch.LongTensor, sizes: dict) ->
 
     import treeflash_hf  # noqa: F401  (registers the drafter classes)
 
-    drafter = AutoModel.from_pretrained(folder, dtype=torch.bfloat16)
+    drafter = AutoModel.from_pretrained(folder, dtype="auto")  # saved again in the dtype it was saved in
     drafter.set_draft_vocab(token_ids)
     drafter.save_pretrained(folder)
     summary_file = folder / "training_summary.json"

@@ -38,7 +38,12 @@ def eval_distributions(target, drafter, prompts_ids: list[torch.LongTensor], con
             for s in SOURCES}
     count = torch.zeros(depths)
     generator = TreeFlashCandidateGenerator(drafter, target, TreeOptions())
-    embed, head = generator.embed, generator.head_logits
+    embed = generator.embed
+
+    def drafted(hidden: torch.Tensor) -> torch.Tensor:
+        """The distribution the drafter drafts from (over its draft vocabulary, if any), over every token `[.., V]`."""
+        return generator.full_vocabulary(generator.draft_log_probs(hidden)).exp()
+
     torch.manual_seed(seed)
     for ids in prompts_ids:
         sequence = target.generate(ids, max_new_tokens=continuation + block, do_sample=False)
@@ -53,11 +58,11 @@ def eval_distributions(target, drafter, prompts_ids: list[torch.LongTensor], con
             noise[0, 0] = sequence[0, anchor]
             h = drafter(noise_embeds=embed(noise), context_hidden_states=features[None, :anchor],
                         position_ids=torch.arange(0, anchor + block)[None]).pre_norm_hidden_state[0]
-            marginal = torch.softmax(head(drafter.norm(h[1:])).float(), -1)  # [Q-1, V]
+            marginal = drafted(drafter.norm(h[1:]))  # [Q-1, V]
             prev = embed(sequence[0, anchor : anchor + depths])
             prev2 = embed(sequence[0, anchor - 1 : anchor + depths - 1]) if drafter.config.ar_num_prev_tokens == 2 \
                 else None
-            corrected = torch.softmax(head(drafter.ar_corrected_hidden_states(h[1:], prev, prev2)).float(), -1)
+            corrected = drafted(drafter.ar_corrected_hidden_states(h[1:], prev, prev2))
             sampled = target.generate(sequence[:, : anchor + 1].expand(samples, -1), max_new_tokens=depths,
                                       do_sample=True, temperature=1.0, top_k=0, top_p=1.0,
                                       min_new_tokens=depths)[:, anchor + 1 :]  # [samples, Q-1]

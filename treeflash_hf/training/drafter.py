@@ -111,14 +111,18 @@ def draft_head_log_probs(lm_head: torch.nn.Module, hidden: torch.Tensor,
     """The drafter's log-probs `[..., V']` from the target's (frozen) head on `hidden [..., H]`: on the rows of the
     draft vocabulary `token_ids` only (a plain `nn.Linear` head is multiplied by those rows), `[..., V]` when
     None."""
+    from ..draft import full_tensor, is_plain_linear
+
     if token_ids is None:
         logits = lm_head(hidden)
-    elif type(lm_head) is torch.nn.Linear:
-        index = token_ids.to(lm_head.weight.device)
-        logits = torch.nn.functional.linear(hidden, lm_head.weight[index],
-                                            None if lm_head.bias is None else lm_head.bias[index])
+    elif is_plain_linear(lm_head):
+        weight = full_tensor(lm_head.weight)
+        index = token_ids.to(weight.device)
+        bias = None if lm_head.bias is None else full_tensor(lm_head.bias)[index]
+        logits = torch.nn.functional.linear(hidden.to(weight.device), weight[index], bias).to(hidden.device)
     else:
-        logits = lm_head(hidden).index_select(-1, token_ids.to(hidden.device))
+        logits = lm_head(hidden)
+        logits = logits.index_select(-1, token_ids.to(logits.device)).to(hidden.device)
     return torch.log_softmax(logits.float(), dim=-1)
 
 

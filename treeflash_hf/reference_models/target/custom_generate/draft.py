@@ -203,7 +203,7 @@ class TargetHead:
         self.module_device = device if stored is None else stored.device  # where the head takes its inputs
         self.weight: torch.Tensor | None = None
         self.bias: torch.Tensor | None = None
-        self.kept_rows: tuple | None = None  # (identity of token ids, their weight rows, their bias)
+        self.kept_rows: tuple | None = None  # (token ids, their version, their weight rows, their bias)
         if is_plain_linear(lm_head):
             # plain tensors: the drafter side indexes rows and must not take part in the target's collectives
             self.weight = full_tensor(lm_head.weight).to(device)
@@ -288,11 +288,13 @@ class TargetHead:
     def rows(self, token_ids: torch.LongTensor) -> tuple[torch.Tensor, torch.Tensor | None]:
         """The head's weight rows `[V', H]` (and bias `[V']`) of `token_ids`, gathered once into a contiguous matrix
         and kept while the ids stay the same (a small matrix stays in the CPU's cache; the full one does not)."""
-        key = tensor_identity(token_ids)
-        if self.kept_rows is None or self.kept_rows[0] != key:
+        kept = self.kept_rows  # (kept by reference: a freed tensor's id and memory can be reused by new ids)
+        if kept is None or kept[0] is not token_ids or kept[1] != token_ids._version:
             index = token_ids.to(self.weight.device)
-            self.kept_rows = (key, self.weight[index].contiguous(), None if self.bias is None else self.bias[index])
-        return self.kept_rows[1], self.kept_rows[2]
+            kept = (token_ids, token_ids._version, self.weight[index].contiguous(),
+                    None if self.bias is None else self.bias[index])
+            self.kept_rows = kept
+        return kept[2], kept[3]
 
     def shortlist_logits(self, hidden: torch.Tensor, tokens: torch.LongTensor) -> torch.Tensor:
         """Logits of groups of rows `hidden [..., G, H]` on their group's tokens `tokens [..., C]` (the same leading
@@ -336,6 +338,8 @@ class TreeFlashCandidateGenerator(CandidateGenerator):
         # The draft vocabulary (`draft_token_ids [V']`, None: every token): marginals and full-vocabulary AR rows
         # are scored on these head rows only, so their columns are positions in it (`column_tokens` maps them).
         self.draft_vocab = draft_vocabulary(drafter)
+        if self.draft_vocab is not None:
+            self.draft_vocab = self.draft_vocab.to(drafter.device)
         self.target_layer_ids = list(config.target_layer_ids)
         self.block_size = config.block_size
         self.mask_token_id = config.mask_token_id
@@ -628,8 +632,8 @@ class TreeFlashCandidateGenerator(CandidateGenerator):
 
         if mode == "marginal_tree":
             # row d holds the children at depth d+1, whatever the parent
-            marginal = torch.stack([b.marginal_log_probs[:depth] for b in blocks]).topk(self.options.tree_top_k,
-                                                                                       dim=-1)
+            marginal = torch.stack([b.marginal_log_probs[:depth] for b in blocks])
+            marginal = marginal.topk(min(self.options.tree_top_k, marginal.shape[-1]), dim=-1)
             marginal_tokens = self.column_tokens(marginal.indices)
             return [search(block, lookup, table_children(tokens, values, lambda d, token: d))
                     for block, lookup, tokens, values in zip(blocks, lookups, marginal_tokens, marginal.values)]
@@ -644,7 +648,8 @@ class TreeFlashCandidateGenerator(CandidateGenerator):
             # Guess which nodes the search will expand by running it on the marginals (a stand-in for the AR
             # rows, cheap), compute those rows in one call, then search for real; rows it missed are computed on
             # demand.
-            marginal = block.marginal_log_probs[:depth].topk(self.options.tree_top_k, dim=-1)
+            marginal = block.marginal_log_probs[:depth]
+            marginal = marginal.topk(min(self.options.tree_top_k, marginal.shape[-1]), dim=-1)
             stand_in = table_children(self.column_tokens(marginal.indices), marginal.values,
                                       lambda d, token: d if lazy.has_children(d, token) else -1)
             guess = best_first_tree(block.anchor_token, stand_in, budget, depth)
