@@ -374,10 +374,6 @@ class TreeFlashCandidateGenerator(CandidateGenerator):
         keeps its embedding table wherever its first layers are)."""
         return self.input_embeddings(token_ids).to(self.device)
 
-    def head_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        """The target's `lm_head` on drafter hidden states `[..., H]` -> `[..., V]`."""
-        return self.head.logits(hidden)
-
     def draft_log_probs(self, hidden: torch.Tensor) -> torch.Tensor:
         """Drafting distributions of normed drafter outputs `[..., H]`: log-probs `[..., V']` over the draft
         vocabulary (`[..., V]` without one)."""
