@@ -142,6 +142,36 @@ def test_divergence_gap_is_taken_on_the_scores_decoding_used(models):
     assert tolerance == tie_tolerance(torch.float32, (vocab - 1) * 0.5)  # at the processed top score
 
 
+def test_divergence_gap_counts_a_tie_in_either_forward_shape():
+    """bfloat16 rounds a position's logits differently in a forward over the prefix and in one over the whole
+    reference: a tie in either is a tie (the smaller gap counts), and a clear gap in both stays one."""
+    from types import SimpleNamespace
+
+    from treeflash_hf.bench import first_divergence_gap
+
+    class ShapeDependent(torch.nn.Module):
+        dtype = torch.bfloat16
+
+        def __init__(self, gap_by_length: dict[int, float]):
+            super().__init__()
+            self.gap_by_length = gap_by_length
+
+        def forward(self, ids):
+            logits = torch.zeros(1, ids.shape[1], 8)
+            logits[..., 3] = 4.0
+            logits[..., 5] = 4.0 - self.gap_by_length[ids.shape[1]]
+            return SimpleNamespace(logits=logits)
+
+    prompt = torch.tensor([1, 2])
+    expected, got = [3, 3, 3, 3], [3, 5, 3, 3]  # they part at new token 1: prefix length 3, whole length 6
+    gap, tolerance = first_divergence_gap(ShapeDependent({3: 0.1875, 6: 0.03125}), prompt, expected, got)
+    assert (gap, tolerance) == (0.03125, 0.0625)  # two bf16 units at 4: a tie in the longer forward
+    gap, _ = first_divergence_gap(ShapeDependent({3: 0.03125, 6: 0.1875}), prompt, expected, got)
+    assert gap == 0.03125
+    gap, tolerance = first_divergence_gap(ShapeDependent({3: 0.5, 6: 0.25}), prompt, expected, got)
+    assert gap == 0.25 and gap > tolerance  # beyond a tie in both shapes: still reported as such
+
+
 def test_prompt_files(tmp_path):
     good = tmp_path / "p.jsonl"
     good.write_text('{"prompt": "a"}\n\n{"prompt": "b"}\n')

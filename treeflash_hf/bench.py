@@ -92,15 +92,24 @@ def first_divergence_gap(target, prompt_ids: torch.LongTensor, expected: list[in
                          logits_processor=None) -> tuple[float, float]:
     """(gap, tolerance) at the first new token where `got` leaves `expected`: the target's top-2 score gap there,
     computed as plain decoding does (batch 1, the same dtype, then `logits_processor` if decoding used one, e.g. a
-    repetition penalty), and the tie tolerance of that dtype."""
+    repetition penalty), and the tie tolerance of that dtype.
+
+    Outside float32 the same position's logits round differently for different forward shapes (on SmolLM2 in
+    bfloat16 they move by up to 0.6 between a forward over a prefix and one over a longer sequence), so a gap
+    measured in one shape can hide a tie: the gap is taken from a forward over the prefix and from one over the
+    whole reference (`expected`), and the smaller counts. In float32 the two agree."""
     index = next((i for i, (a, b) in enumerate(zip(expected, got)) if a != b), min(len(expected), len(got)))
-    ids = torch.cat([prompt_ids, prompt_ids.new_tensor(expected[:index])])[None]
+    prefix = torch.cat([prompt_ids, prompt_ids.new_tensor(expected[:index])])[None]
+    whole = torch.cat([prompt_ids, prompt_ids.new_tensor(expected)])[None]
+    measured = []
     with torch.no_grad():
-        scores = target(ids).logits[:, -1].float()
-        if logits_processor is not None:
-            scores = logits_processor(ids, scores)
-    top2 = scores[0].topk(2).values
-    return float(top2[0] - top2[1]), tie_tolerance(target.dtype, float(top2[0]))
+        for ids in (prefix, whole) if len(expected) > index else (prefix,):
+            scores = target(ids).logits[:, prefix.shape[1] - 1].float()
+            if logits_processor is not None:
+                scores = logits_processor(prefix, scores)
+            top2 = scores[0].topk(2).values
+            measured.append((float(top2[0] - top2[1]), tie_tolerance(target.dtype, float(top2[0]))))
+    return min(measured, key=lambda pair: pair[0] - pair[1])
 
 
 def shape_noise(target, singles: list[dict], references: list[list[int]], common: dict, eos_ids: set[int],

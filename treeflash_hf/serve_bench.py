@@ -283,7 +283,8 @@ def text_divergences(target, tokenizer, prompts: list[str], plain_texts: list[st
     """Where the TreeFlash server's text leaves the plain server's, whether the target's top-2 logits there are a
     near-tie of its dtype (the only divergence a lossless method may show outside float32). Texts are mapped back
     to tokens by re-tokenizing them (the server returns text), so the place is the first differing token of the
-    re-tokenized texts; the gap is the target's, after the plain text's tokens before it."""
+    re-tokenized texts; the gap is the target's, after the plain text's tokens before it (`first_divergence_gap`).
+    Each divergence keeps the served text, so that it can be checked again."""
     from .bench import first_divergence_gap
 
     found = []
@@ -294,7 +295,8 @@ def text_divergences(target, tokenizer, prompts: list[str], plain_texts: list[st
         expected = tokenizer(plain, add_special_tokens=False)["input_ids"]
         got = tokenizer(fast, add_special_tokens=False)["input_ids"]
         gap, tolerance = first_divergence_gap(target, prompt_ids, expected, got)
-        found.append({"prompt": index, "gap": gap, "tolerance": tolerance, "near_tie": gap <= tolerance})
+        found.append({"prompt": index, "gap": gap, "tolerance": tolerance, "near_tie": gap <= tolerance,
+                      "served_text": fast})
     return found
 
 
