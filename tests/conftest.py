@@ -4,7 +4,7 @@ import pytest
 import torch
 
 import treeflash_hf  # noqa: F401  (registers the Auto classes and the generate() hook)
-from treeflash_hf.testing import matching_drafter, random_target
+from treeflash_hf.recipes.testing import matching_drafter, random_target
 
 
 @pytest.fixture(autouse=True)

@@ -11,10 +11,10 @@ import random
 
 import torch
 
-from treeflash_hf.draft import TreeFlashCandidateGenerator
+from treeflash_hf.engine.draft import TreeDrafter
 
 
-class OracleCandidateGenerator(TreeFlashCandidateGenerator):
+class OracleCandidateGenerator(TreeDrafter):
     def __init__(self, drafter, target, options, reference: list[int], seed: int = 0, max_rank: int = 2,
                  miss_prob: float = 0.3):
         super().__init__(drafter, target, options)

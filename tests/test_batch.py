@@ -8,7 +8,7 @@ import torch
 from transformers import StoppingCriteria, StoppingCriteriaList
 
 from treeflash_hf import forget_learned_state, treeflash_generate
-from treeflash_hf.testing import ARCHITECTURES, matching_drafter, random_target
+from treeflash_hf.recipes.testing import ARCHITECTURES, matching_drafter, random_target
 
 from .conftest import randomise_ar_layer
 from .test_lossless_sampling import ALPHA, NEW_TOKENS, SAMPLES, TEMPERATURE, TOP_P, VOCAB, chi_square_p, exact_joint
@@ -199,7 +199,7 @@ def test_row_wise_sampling_settings_process_a_row_alone():
     from transformers.generation.logits_process import (LogitsProcessorList, RepetitionPenaltyLogitsProcessor,
                                                         TemperatureLogitsWarper, TopKLogitsWarper, TopPLogitsWarper)
 
-    from treeflash_hf.accept import RowProcessor
+    from treeflash_hf.engine.accept import RowProcessor
 
     sampling = LogitsProcessorList([TemperatureLogitsWarper(0.7), TopKLogitsWarper(5), TopPLogitsWarper(0.9)])
     sequence, scores = torch.tensor([[3, 1, 4]]), torch.randn(1, 50, generator=torch.Generator().manual_seed(0))

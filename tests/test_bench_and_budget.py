@@ -5,10 +5,10 @@ import json
 import pytest
 import torch
 
-from treeflash_hf.bench import Method, PromptFileError, load_prompts, parse_methods, plot, run_bench
-from treeflash_hf.budget import AutoBudget
-from treeflash_hf.testing import matching_drafter, random_target
-from treeflash_hf.tree import chain_tree
+from treeflash_hf.tools.bench import Method, PromptFileError, load_prompts, parse_methods, plot, run_bench
+from treeflash_hf.engine.budget import AutoBudget
+from treeflash_hf.recipes.testing import matching_drafter, random_target
+from treeflash_hf.engine.tree import chain_tree
 
 from .conftest import randomise_ar_layer
 
@@ -70,7 +70,7 @@ def test_bench_report_schema_tau_and_identity(models, tmp_path):
 
 
 def test_lookup_methods_pass_the_lookup_length_and_chain_has_none():
-    from treeflash_hf.bench import LOOKUP_LENGTH, generate_kwargs
+    from treeflash_hf.tools.bench import LOOKUP_LENGTH, generate_kwargs
 
     with_lookup, without = parse_methods(["treeflash+lookup", "treeflash"], [8])[1:]
     assert generate_kwargs(with_lookup, "drafter", None)["tree_lookup"] == LOOKUP_LENGTH
@@ -81,7 +81,7 @@ def test_lookup_methods_pass_the_lookup_length_and_chain_has_none():
 
 def test_identity_check_catches_a_different_output(models, monkeypatch):
     target, drafter, draft_lm = models
-    import treeflash_hf.bench as bench
+    import treeflash_hf.tools.bench as bench
 
     original = bench.run_method
 
@@ -117,7 +117,7 @@ def test_batched_bench_compares_every_row_with_batch_one_decoding(models):
 
 
 def test_tie_tolerance_follows_the_dtype():
-    from treeflash_hf.bench import tie_tolerance
+    from treeflash_hf.tools.bench import tie_tolerance
 
     assert tie_tolerance(torch.bfloat16, 16.0) == 2 * 2**-7 * 16  # two bf16 units in the last place at 16
     assert tie_tolerance(torch.bfloat16, 0.75) == 2 * 2**-7 * 0.5
@@ -129,7 +129,7 @@ def test_divergence_gap_is_taken_on_the_scores_decoding_used(models):
     plain decoding chose on them, not on the raw logits."""
     from transformers import LogitsProcessorList
 
-    from treeflash_hf.bench import first_divergence_gap, tie_tolerance
+    from treeflash_hf.tools.bench import first_divergence_gap, tie_tolerance
 
     target = models[0]
     vocab = target.config.vocab_size
@@ -147,7 +147,7 @@ def test_divergence_gap_counts_a_tie_in_either_forward_shape():
     reference: a tie in either is a tie (the smaller gap counts), and a clear gap in both stays one."""
     from types import SimpleNamespace
 
-    from treeflash_hf.bench import first_divergence_gap
+    from treeflash_hf.tools.bench import first_divergence_gap
 
     class ShapeDependent(torch.nn.Module):
         dtype = torch.bfloat16
@@ -337,7 +337,7 @@ def test_a_drafted_step_the_scheduler_tries_is_planned_without_exploring(models,
     """The step kind is chosen first; a drafted step that is the scheduler's try (not its best kind) asks auto
     for the width it would use, and only the scheduler's own best drafted steps may explore; lossless either way."""
     from treeflash_hf import forget_learned_state
-    from treeflash_hf.lookup import StepScheduler
+    from treeflash_hf.engine.lookup import StepScheduler
 
     target, drafter, _ = models
     tries = iter([True, False] * 100)
@@ -360,7 +360,7 @@ def test_a_drafted_step_the_scheduler_tries_is_planned_without_exploring(models,
 
 
 def test_eval_dist_report(models):
-    from treeflash_hf.evaluate import eval_distributions
+    from treeflash_hf.tools.evaluate import eval_distributions
 
     target, _, _ = models
     fresh = matching_drafter(target, seed=4)  # zero AR layer: TreeFlash's tables are DFlash's
@@ -378,7 +378,7 @@ def test_eval_dist_report(models):
 
 
 def test_ablation_variants_share_the_backbone(models):
-    from treeflash_hf.ablate import VARIANTS, variant_drafter
+    from treeflash_hf.tools.ablate import VARIANTS, variant_drafter
 
     _, drafter, _ = models
     base = drafter.state_dict()
@@ -395,7 +395,7 @@ def test_cost_table_reports_measured_ratios(monkeypatch):
     """Every ratio of `profile --cost-table` comes from this run's own measurements."""
     import argparse
 
-    from treeflash_hf import profile
+    from treeflash_hf.tools import profile
 
     measured = {}
     real = profile.measure_verify_cost

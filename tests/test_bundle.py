@@ -5,26 +5,25 @@ it it is the plain target; `bundle` is idempotent and refuses what would not wor
 import hashlib
 import json
 import shutil
+from pathlib import Path
 
 import pytest
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer, TextIteratorStreamer, pipeline
 
 from treeflash_hf import reference
-from treeflash_hf.bundle import BundleError, write_bundle
-from treeflash_hf.bundle_generate import BUNDLE_FILE, DRAFTER_ATTRIBUTE
-from treeflash_hf.folders import engine_sources, missing_relative_imports
-from treeflash_hf.hub import PublishError, check_publishable, prepare_bundle_repo
-from treeflash_hf.testing import matching_drafter, random_target
+from treeflash_hf.hub.bundle import BundleError, write_bundle
+from treeflash_hf.integrations.folder_generate import BUNDLE_FILE, DRAFTER_ATTRIBUTE
+from treeflash_hf.hub.folders import custom_generate_files, missing_relative_imports
+from treeflash_hf.integrations import folder_generate
+from treeflash_hf.recipes import pairs
+from treeflash_hf.hub.push import PublishError, check_publishable, prepare_bundle_repo
+from treeflash_hf.recipes.testing import matching_drafter, random_target
 
 from .test_hub import run_fresh
 
-FOLDER = reference.BUNDLED_DIR / "target"
+FOLDER = pairs.pair_dirs("tiny")[0]  # the tiny target as a TreeFlash folder, generated under the cache
 PROMPT = "import os\n\n\ndef read_lines(path):\n"
-REFRESH = ("treeflash-hf bundle --target treeflash_hf/reference_models/target --drafter "
-           "treeflash_hf/reference_models/drafter --tokenizer treeflash_hf/reference_models/tokenizer "
-           "--chat-template treeflash_hf/reference_models/chat_template.jinja "
-           "--out treeflash_hf/reference_models/target")
 
 
 @pytest.fixture(scope="module")
@@ -39,32 +38,34 @@ def sha256(path) -> str:
     return hashlib.sha256(path.read_bytes()).hexdigest()
 
 
-def test_bundled_target_is_a_treeflash_folder_with_the_package_engine():
-    """The bundled target's custom_generate/ must be this package's engine, byte for byte."""
-    assert json.loads((FOLDER / BUNDLE_FILE).read_text()) == {"drafter": "../drafter"}
+def test_tiny_target_folder_is_generated_from_the_package_engine():
+    """The tiny target's TreeFlash folder: links to the bundled files, and custom_generate/ written from the package's
+    modules (flattened: no import reaches outside the folder), rewritten when it no longer matches them."""
+    assert json.loads((FOLDER / BUNDLE_FILE).read_text()) == {"drafter": str(pairs.bundled_drafter("drafter"))}
+    assert (FOLDER / "model.safetensors").resolve() == (reference.BUNDLED_DIR / "target" / "model.safetensors").resolve()
     copies = FOLDER / "custom_generate"
-    sources = engine_sources("bundle_generate.py")
-    stale = sorted({p.name for p in copies.glob("*.py")} - set(sources))
-    assert not stale, f"custom_generate/ has files the engine no longer has ({stale}); refresh it: {REFRESH}"
-    missing = missing_relative_imports(copies)
-    assert not missing, f"custom_generate/ lacks modules the engine imports ({missing}); refresh it: {REFRESH}"
-    for name, source in sources.items():
-        copy = copies / name
-        assert copy.exists() and copy.read_text() == source.read_text(), (
-            f"the bundled target's custom_generate/{name} differs from {source.name}; refresh it: {REFRESH}")
+    files = custom_generate_files("folder_generate")
+    assert files["generate.py"].startswith(Path(folder_generate.__file__).read_text()[:200])
+    assert not missing_relative_imports(copies)
+    assert all("from .." not in text for text in files.values())
+    assert {p.name for p in copies.glob("*.py")} == set(files)
+    (copies / "tree.py").write_text("stale = True\n")  # a package edit since the folder was written
+    (copies / "dropped_module.py").write_text("stale = True\n")
+    assert pairs.pair_dirs("tiny")[0] == FOLDER
+    assert (copies / "tree.py").read_text() == files["tree.py"] and not (copies / "dropped_module.py").exists()
 
 
 @pytest.mark.parametrize("drafter", ["drafter", "smollm2_drafter"])
-def test_bundled_drafters_carry_the_package_model_code(drafter):
-    """Their remote code (loaded with trust_remote_code, and published with them) is `modeling/`, byte for byte."""
-    from pathlib import Path
-
+def test_bundled_drafters_get_the_package_model_code(drafter):
+    """A bundled drafter's remote code (loaded with trust_remote_code, published with it) is written from `modeling/`;
+    the package keeps only its weights and configs."""
     import treeflash_hf.modeling
 
     modeling = Path(treeflash_hf.modeling.__file__).parent
+    folder = pairs.bundled_drafter(drafter)
     for name in ("configuration_treeflash_drafter.py", "modeling_treeflash_drafter.py"):
-        copy = reference.BUNDLED_DIR / drafter / name
-        assert copy.read_text() == (modeling / name).read_text(), f"copy modeling/{name} into {copy.parent}"
+        assert not (reference.BUNDLED_DIR / drafter / name).exists(), f"{name} is generated: do not commit it"
+        assert (folder / name).read_text() == (modeling / name).read_text()
 
 
 def stop_string_inside(plain, tokenizer, inputs) -> str:

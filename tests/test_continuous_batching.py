@@ -14,11 +14,12 @@ from transformers import AutoModel, AutoModelForCausalLM, AutoTokenizer, Generat
 from transformers.generation import ContinuousBatchingConfig
 from transformers.generation.continuous_batching.requests import RequestStatus
 
-from treeflash_hf import continuous_batching, reference
-from treeflash_hf.continuous_batching import TreeFlashBatchProcessor, TreeFlashContinuousBatchingManager
-from treeflash_hf.serving import running_server
-from treeflash_hf.testing import matching_drafter, random_target
-from treeflash_hf.validation import TreeFlashInputError
+from treeflash_hf.integrations import continuous_batching
+from treeflash_hf import reference
+from treeflash_hf.integrations.continuous_batching import TreeFlashBatchProcessor, TreeFlashContinuousBatchingManager
+from treeflash_hf.tools.serving import running_server
+from treeflash_hf.recipes.testing import matching_drafter, random_target
+from treeflash_hf.engine.validation import TreeFlashInputError
 
 from .conftest import randomise_ar_layer
 from .test_lossless_sampling import TEMPERATURE, TOP_P, chi_square_p, exact_joint

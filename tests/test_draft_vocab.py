@@ -10,10 +10,10 @@ import torch
 from transformers import AutoModel
 
 from treeflash_hf import TreeFlashCandidateGenerator, TreeOptions
-from treeflash_hf.draft import TargetHead
+from treeflash_hf.engine.draft import TargetHead
 from treeflash_hf.training.draft_vocab import frequent_tokens
-from treeflash_hf.testing import matching_drafter, random_target
-from treeflash_hf.validation import TreeFlashInputError
+from treeflash_hf.recipes.testing import matching_drafter, random_target
+from treeflash_hf.engine.validation import TreeFlashInputError
 
 from .conftest import randomise_ar_layer
 from .test_drafter_model import draft_once
@@ -146,9 +146,9 @@ def test_head_rows_of_the_draft_vocab_are_gathered_once(pair):
     vocab = half_vocab(seed=5)
     hidden = torch.randn(3, 64)
     torch.testing.assert_close(head.logits(hidden, vocab), head.logits(hidden)[:, vocab])
-    rows = head.rows(vocab)[0]
-    assert head.rows(vocab)[0] is rows  # kept while the ids are the same
-    assert head.rows(half_vocab(seed=6))[0] is not rows
+    rows = head.weight_rows(vocab)[0]
+    assert head.weight_rows(vocab)[0] is rows  # kept while the ids are the same
+    assert head.weight_rows(half_vocab(seed=6))[0] is not rows
     # a head without a dense weight (called as a module) scores every token, then keeps the draft vocabulary's
     called = TargetHead(torch.nn.Sequential(target.lm_head), 64, torch.device("cpu"), torch.float32)
     assert called.weight is None
@@ -166,7 +166,7 @@ def test_frequent_tokens_rank_by_count_and_keep_required_tokens():
 
 
 def test_recipe_gives_a_saved_drafter_its_draft_vocab(pair, tmp_path):
-    from treeflash_hf.drafter_recipe import DRAFT_VOCAB_HEADING, apply_draft_vocab
+    from treeflash_hf.recipes.drafter_recipe import DRAFT_VOCAB_HEADING, apply_draft_vocab
 
     target, _ = pair
     folder = tmp_path / "drafter"

@@ -11,8 +11,8 @@ import torch
 from transformers import AutoConfig, AutoModel
 
 from treeflash_hf import TreeFlashCandidateGenerator, TreeFlashDrafterConfig, TreeFlashDrafterModel, TreeOptions
-from treeflash_hf.draft import DraftContext
-from treeflash_hf.testing import matching_drafter, random_target
+from treeflash_hf.engine.draft import DraftContext
+from treeflash_hf.recipes.testing import matching_drafter, random_target
 
 from .conftest import randomise_ar_layer
 
@@ -95,9 +95,9 @@ def test_trees_of_a_few_scored_depths_are_the_trees_of_every_depth(qwen3_pair):
 
 
 def test_drafted_steps_score_one_depth_past_the_recent_trees():
-    from treeflash_hf.generation import deepest_node
-    from treeflash_hf.learned import ScoredDepth
-    from treeflash_hf.tree import chain_tree
+    from treeflash_hf.engine.decode import deepest_node
+    from treeflash_hf.engine.learned import ScoredDepth
+    from treeflash_hf.engine.tree import chain_tree
 
     def chain(depth: int):
         return chain_tree(0, torch.zeros(depth, dtype=torch.long), torch.zeros(depth))

@@ -6,9 +6,9 @@ import pytest
 import torch
 
 from treeflash_hf import TreeFlashInputError, TreeOptions, reference, treeflash_generate
-from treeflash_hf.generation import tree_attention_backend
-from treeflash_hf.testing import matching_drafter, random_target
-from treeflash_hf.validation import check_attention_backend
+from treeflash_hf.integrations.generate_hook import tree_attention_backend
+from treeflash_hf.recipes.testing import matching_drafter, random_target
+from treeflash_hf.engine.validation import check_attention_backend
 
 PROMPT = torch.tensor([[1, 2, 3, 4]])
 

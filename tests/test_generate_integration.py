@@ -6,7 +6,7 @@ from transformers import GenerationConfig, StoppingCriteria, StoppingCriteriaLis
 from transformers.generation.streamers import BaseStreamer
 
 from treeflash_hf import TreeOptions, treeflash_generate
-from treeflash_hf.testing import matching_drafter, random_target
+from treeflash_hf.recipes.testing import matching_drafter, random_target
 
 from .conftest import randomise_ar_layer
 from .oracle import OracleCandidateGenerator

@@ -14,9 +14,9 @@ import pytest
 import torch
 from safetensors.torch import save_file
 
-from treeflash_hf.convert import ConversionError, convert
-from treeflash_hf.hub import PublishError, check_publishable, prepare_repo, push, render_card
-from treeflash_hf.testing import matching_drafter, random_target
+from treeflash_hf.hub.convert import ConversionError, convert
+from treeflash_hf.hub.push import PublishError, check_publishable, prepare_repo, push, render_card
+from treeflash_hf.recipes.testing import matching_drafter, random_target
 
 from .conftest import randomise_ar_layer
 

@@ -9,9 +9,10 @@ import pytest
 import torch
 from transformers import GenerationConfig
 
-from treeflash_hf import TreeFlashCandidateGenerator, TreeOptions, forget_learned_state, treeflash_generate
-from treeflash_hf.learned import learned_state
-from treeflash_hf.lookup import (
+from treeflash_hf import TreeOptions, forget_learned_state, treeflash_generate
+from treeflash_hf.engine.draft import TreeDrafter
+from treeflash_hf.engine.learned import learned_state
+from treeflash_hf.engine.lookup import (
     LookupRates,
     StepScheduler,
     expected_accepted,
@@ -19,8 +20,8 @@ from treeflash_hf.lookup import (
     useful_length,
     with_lookup_branch,
 )
-from treeflash_hf.testing import matching_drafter, random_target
-from treeflash_hf.tree import best_first_tree, table_children
+from treeflash_hf.recipes.testing import matching_drafter, random_target
+from treeflash_hf.engine.tree import best_first_tree, table_children
 
 from .conftest import randomise_ar_layer
 
@@ -142,7 +143,7 @@ def looping_pair():
     return target, drafter
 
 
-class ContextCheckingGenerator(TreeFlashCandidateGenerator):
+class ContextCheckingGenerator(TreeDrafter):
     """Asserts that every draft sees the drafter context of every committed position before its anchor,
     whether or not earlier steps skipped the drafter."""
 

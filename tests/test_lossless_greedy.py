@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from treeflash_hf import TreeOptions, treeflash_generate
-from treeflash_hf.testing import ARCHITECTURES, matching_drafter, random_target
+from treeflash_hf.recipes.testing import ARCHITECTURES, matching_drafter, random_target
 
 from .conftest import randomise_ar_layer
 from .oracle import OracleCandidateGenerator
@@ -67,7 +67,7 @@ def test_oracle_drafter_deep_acceptance(arch, mode, scoring, monkeypatch):
     depth): long accepted paths, many compactions, bonus tokens from branches — and still identical output.
     `scoring="random"`: each draft scores a random 1-3 depths up front (any number must leave the trees alone)."""
     if scoring == "random":
-        from treeflash_hf.learned import ScoredDepth
+        from treeflash_hf.engine.learned import ScoredDepth
 
         rng = random.Random(11)
         monkeypatch.setattr(ScoredDepth, "depth", lambda self, limit, longest_branch=0: min(limit, rng.randint(1, 3)))

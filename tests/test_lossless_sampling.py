@@ -16,8 +16,8 @@ import torch
 from scipy.stats import chisquare
 
 from treeflash_hf import forget_learned_state, treeflash_generate
-from treeflash_hf.lookup import StepScheduler
-from treeflash_hf.testing import matching_drafter, random_target
+from treeflash_hf.engine.lookup import StepScheduler
+from treeflash_hf.recipes.testing import matching_drafter, random_target
 from transformers.generation.logits_process import LogitsProcessorList, TemperatureLogitsWarper, TopPLogitsWarper
 
 from .conftest import randomise_ar_layer

@@ -39,7 +39,7 @@ def worker(target_dir: str, drafter_dir: str, out_dir: str) -> None:
     from transformers import AutoModel, AutoModelForCausalLM
 
     import treeflash_hf  # noqa: F401
-    from treeflash_hf.sync import is_tensor_parallel
+    from treeflash_hf.engine.sync import is_tensor_parallel
 
     dist.init_process_group("gloo")
     rank = dist.get_rank()
@@ -99,7 +99,7 @@ def check_ranks(ranks: list[dict], expected: list[list[int]]) -> None:
 
 
 def test_tensor_parallel_random_qwen3(tmp_path):
-    from treeflash_hf.testing import matching_drafter, random_target
+    from treeflash_hf.recipes.testing import matching_drafter, random_target
 
     from .conftest import randomise_ar_layer
 
@@ -127,7 +127,7 @@ def test_target_split_by_a_device_map(tmp_path):
     cross the hooks' device moves (all on the CPU here, so this checks the plumbing, not real GPUs)."""
     from transformers import AutoModelForCausalLM
 
-    from treeflash_hf.testing import matching_drafter, random_target
+    from treeflash_hf.recipes.testing import matching_drafter, random_target
 
     from .conftest import randomise_ar_layer
 

@@ -7,8 +7,9 @@ from pathlib import Path
 import pytest
 import torch
 
-from treeflash_hf import pairs, reference
-from treeflash_hf.bundle_generate import BUNDLE_FILE
+from treeflash_hf.recipes import pairs
+from treeflash_hf import reference
+from treeflash_hf.integrations.folder_generate import BUNDLE_FILE
 
 CHATS = ["Write a Python function that returns the largest of three numbers.", "How do I keep basil fresh?"]
 

@@ -8,8 +8,13 @@ import pytest
 import torch
 
 from treeflash_hf import reference
-from treeflash_hf.prompt_sets import (PromptFileError, eval_requests, grow_training_requests, load_prompts,
-                                     training_requests)
+from treeflash_hf.recipes.prompt_sets import (
+    PromptFileError,
+    eval_requests,
+    grow_training_requests,
+    load_prompts,
+    training_requests,
+)
 from treeflash_hf.training.drafter import DrafterLossConfig, block_loss_terms, drafter_loss_terms, sample_anchors
 from treeflash_hf.training.features import FeatureStore, copy_windows, create_store, fill_store
 
@@ -114,7 +119,7 @@ def test_an_ablation_variant_trains_from_the_feature_store(tiny, tmp_path):
     (re-initialised to zero) learns."""
     from types import SimpleNamespace
 
-    from treeflash_hf.ablate import cached_trainer, variant_drafter
+    from treeflash_hf.tools.ablate import cached_trainer, variant_drafter
 
     target, drafter, _ = tiny
     windows = torch.randint(3, target.config.vocab_size, (4, 129), generator=torch.Generator().manual_seed(5)).numpy()

@@ -21,11 +21,11 @@ import pytest
 import torch
 
 from treeflash_hf import TreeOptions, forget_learned_state, treeflash_generate
-from treeflash_hf.draft import TargetHead, TreeFlashCandidateGenerator
-from treeflash_hf.quantize import BACKENDS, quantize_target, reload_quantized
-from treeflash_hf.testing import matching_drafter, random_target
-from treeflash_hf.validation import TreeFlashInputError
-from treeflash_hf.verify import forward_shape_difference
+from treeflash_hf.engine.draft import TargetHead, TreeDrafter
+from treeflash_hf.integrations.quantize import BACKENDS, quantize_target, reload_quantized
+from treeflash_hf.recipes.testing import matching_drafter, random_target
+from treeflash_hf.engine.validation import TreeFlashInputError
+from treeflash_hf.engine.verify import forward_shape_difference
 
 from .conftest import randomise_ar_layer
 from .oracle import OracleCandidateGenerator
@@ -99,7 +99,7 @@ WEIGHT_ONLY = ["torchao-int8", "torchao-int8+head", "torchao-int4+head", "torcha
 def test_weight_only_backends_are_lossless(base_llama, drafter, backend, caplog):
     """Their quantized heads dequantize exactly: the drafter side gets one dense copy (its CPU shortlist reads rows)."""
     target = quantized(backend, base_llama)
-    assert TreeFlashCandidateGenerator(drafter, target, TreeOptions()).head.weight is not None
+    assert TreeDrafter(drafter, target, TreeOptions()).head.weight is not None
     with caplog.at_level(logging.WARNING, logger="treeflash_hf"):
         assert_lossless(target, drafter)
     assert WARNING_TEXT not in caplog.text
@@ -109,7 +109,7 @@ def test_called_head_and_its_shortlist_are_lossless(base_llama, drafter, monkeyp
     """A head with no exact dense copy is called: full logits, the CPU shortlist taken from them."""
     target = quantized("torchao-int8+head", base_llama)
     dense = TargetHead(target.lm_head, 128, torch.device("cpu"), torch.float32)
-    monkeypatch.setattr("treeflash_hf.draft.dense_weight_candidate", lambda module: None)
+    monkeypatch.setattr("treeflash_hf.engine.draft.dense_weight_candidate", lambda module: None)
     called = TargetHead(target.lm_head, 128, torch.device("cpu"), torch.float32)
     assert called.weight is None and dense.weight is not None
     hidden, tokens = torch.randn(3, 2, 128), torch.randint(0, 512, (3, 64))
@@ -123,7 +123,7 @@ def test_a_large_float32_head_scores_drafts_in_bfloat16_where_that_is_faster(mon
     """On a CPU whose bfloat16 products are faster (measured once per shape), the drafting side scores with a
     bfloat16 copy of a large float32 head: the same logits up to bfloat16 rounding, the shortlist's rows from the
     same copy; where they are not faster, or the head is small, it keeps the target's own weight."""
-    from treeflash_hf import draft
+    from treeflash_hf.engine import draft
 
     head = torch.nn.Linear(512, 8192)  # 4M elements: as large as the copy needs
     hidden = torch.randn(1, 16, 512)[:, 1:]  # a slice of drafter states, as drafting takes them
@@ -157,10 +157,10 @@ def test_a_quantized_head_is_prepared_once_per_weights(base_llama, drafter, monk
     made = []
     original = TargetHead.__init__
     monkeypatch.setattr(TargetHead, "__init__", lambda self, *a: (made.append(1), original(self, *a))[1])
-    first = TreeFlashCandidateGenerator(drafter, target, TreeOptions()).head
-    assert TreeFlashCandidateGenerator(drafter, target, TreeOptions()).head is first and len(made) == 1
+    first = TreeDrafter(drafter, target, TreeOptions()).head
+    assert TreeDrafter(drafter, target, TreeOptions()).head is first and len(made) == 1
     target.lm_head.weight = torch.nn.Parameter(target.lm_head.weight.detach().clone(), requires_grad=False)
-    assert TreeFlashCandidateGenerator(drafter, target, TreeOptions()).head is not first and len(made) == 2
+    assert TreeDrafter(drafter, target, TreeOptions()).head is not first and len(made) == 2
 
 
 def test_a_head_that_cannot_be_called_is_an_input_error(drafter):
@@ -181,7 +181,7 @@ def test_bitsandbytes_runs_with_a_quantized_head(base_llama, drafter, backend, c
     models their kernels couple the tokens of a forward (see the next test); on this one, whose activations have
     no outliers, no coupling shows, and then TreeFlash must be identical and silent."""
     target = quantized(backend, base_llama)
-    assert TreeFlashCandidateGenerator(drafter, target, TreeOptions()).head.weight is None
+    assert TreeDrafter(drafter, target, TreeOptions()).head.weight is None
     with caplog.at_level(logging.WARNING, logger="treeflash_hf"):
         assert_lossless(target, drafter)
     assert WARNING_TEXT not in caplog.text
@@ -231,7 +231,7 @@ def test_sampling_from_a_quantized_target_keeps_its_distribution():
         target.lm_head.weight.mul_(15.0)
     quantization.quantize_(target, quantization.Int8WeightOnlyConfig())  # every Linear, lm_head included
     drafter = randomise_ar_layer(matching_drafter(target, seed=22, block_size=4), std=0.5)
-    assert TreeFlashCandidateGenerator(drafter, target, TreeOptions()).head.weight is not None
+    assert TreeDrafter(drafter, target, TreeOptions()).head.weight is not None
     prompt, samples = torch.tensor([[1, 4, 2]]), 1000
     expected = exact_joint(target, prompt, TEMPERATURE)
     torch.manual_seed(1234)

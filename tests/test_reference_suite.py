@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from treeflash_hf import reference
-from treeflash_hf.hub import prepare_repo
+from treeflash_hf.hub.push import prepare_repo
 
 from .test_hub import run_fresh
 
@@ -116,7 +116,7 @@ def test_run_dtype_divergences_are_near_ties():
     """In the pair's run dtype (bfloat16), rounding differs between verifying a tree and decoding one token, so a
     speculative output may leave plain decoding where the target's top two logits are within that dtype's
     rounding. Every divergence must be such a near-tie, never a real disagreement."""
-    from treeflash_hf.bench import Identity, compare
+    from treeflash_hf.tools.bench import Identity, compare
 
     target, drafter, tokenizer = reference.load("tiny")  # the stored dtype
     identity = Identity()

@@ -13,10 +13,17 @@ import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from treeflash_hf import reference
-from treeflash_hf.serve_bench import (closed_loop, format_load_table, format_table, merge_rounds, percentile,
-                                      stream_completion,
-                                     text_divergences, time_servers)
-from treeflash_hf.serving import running_server, stop_server
+from treeflash_hf.tools.serve_bench import (
+    closed_loop,
+    format_load_table,
+    format_table,
+    merge_rounds,
+    percentile,
+    stream_completion,
+    text_divergences,
+    time_servers,
+)
+from treeflash_hf.tools.serving import running_server, stop_server
 
 FOLDER = reference.BUNDLED_DIR / "target"
 PROMPTS = ["import os\n\n\ndef read_lines(path):\n", "class Stack:\n    def __init__(self):\n"]

@@ -23,8 +23,8 @@ import torch
 from openai.types.chat import ChatCompletionChunk
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from treeflash_hf import pairs
-from treeflash_hf.serving import ServerProcess, running_server
+from treeflash_hf.recipes import pairs
+from treeflash_hf.tools.serving import ServerProcess, running_server
 
 from .test_serving import client
 

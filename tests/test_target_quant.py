@@ -9,12 +9,20 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
-from treeflash_hf import bench, cli
-from treeflash_hf.budget import model_key
-from treeflash_hf.quantize import (BACKENDS, QUANT_SPECS, Backend, QuantizationUnavailable, describe,
-                                   quantization_config, quantize_target)
-from treeflash_hf.testing import random_target
-from treeflash_hf.verify import NOT_QUANTIZED, quantization_backend
+from treeflash_hf.tools import bench
+from treeflash_hf import cli
+from treeflash_hf.engine.budget import model_key
+from treeflash_hf.integrations.quantize import (
+    BACKENDS,
+    QUANT_SPECS,
+    Backend,
+    QuantizationUnavailable,
+    describe,
+    quantization_config,
+    quantize_target,
+)
+from treeflash_hf.recipes.testing import random_target
+from treeflash_hf.engine.verify import NOT_QUANTIZED, quantization_backend
 
 
 def tiny_llama(dtype: torch.dtype = torch.float32):
@@ -146,7 +154,7 @@ def test_bench_quant_measures_the_matrix_against_each_quantized_target(tmp_path,
 
 
 def test_the_lossless_cell_says_why_not():
-    from treeflash_hf.quant_bench import lossless_verdict
+    from treeflash_hf.tools.quant_bench import lossless_verdict
 
     clean = [{"near_tie_rows": 0, "divergent_rows": 0}]
     assert lossless_verdict(True, 0.0, clean) == "yes"

@@ -10,8 +10,8 @@ from treeflash_hf.training.data import MaskedSequences, TokenStream, build_self_
 from treeflash_hf.training.drafter import DrafterLossConfig, drafter_loss, sample_anchors, train_drafter
 from treeflash_hf.training.lm import train_lm
 from treeflash_hf.training.loop import LoopConfig
-from treeflash_hf.testing import matching_drafter, random_target
-from treeflash_hf.validation import TreeFlashInputError
+from treeflash_hf.recipes.testing import matching_drafter, random_target
+from treeflash_hf.engine.validation import TreeFlashInputError
 
 from .conftest import randomise_ar_layer
 
@@ -221,7 +221,7 @@ def test_train_recalibrates_against_a_quantized_target(tmp_path, monkeypatch):
     import numpy as np
 
     pytest.importorskip("torchao")
-    from treeflash_hf import quantize
+    from treeflash_hf.integrations import quantize
     from treeflash_hf.cli import main
 
     random_target("llama", vocab_size=VOCAB, hidden_size=64, num_layers=2, num_heads=2,
@@ -297,7 +297,7 @@ def test_finished_schedule_continues_at_its_floor_learning_rate(tmp_path, tiny):
 
 
 def test_drafter_init_copies_weights_or_names_the_mismatch(tmp_path, tiny):
-    from treeflash_hf.reference import load_drafter_weights
+    from treeflash_hf.recipes.tiny_suite import load_drafter_weights
 
     target, drafter, _ = tiny
     drafter.save_pretrained(tmp_path / "earlier")

@@ -23,7 +23,7 @@ import numpy as np
 import pytest
 import torch
 
-from treeflash_hf.testing import matching_drafter, random_target
+from treeflash_hf.recipes.testing import matching_drafter, random_target
 from treeflash_hf.training.data import MaskedSequences, TokenStream, save_tokens
 from treeflash_hf.training.drafter import DrafterLossConfig, train_drafter
 from treeflash_hf.training.lm import train_lm

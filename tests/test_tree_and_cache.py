@@ -6,10 +6,10 @@ import math
 import torch
 from transformers import DynamicCache
 
-from treeflash_hf.cache import compact_cache, repack
-from treeflash_hf.tree import TreeBatch, best_first_tree, chain_tree, table_children
-from treeflash_hf.verify import verify_trees
-from treeflash_hf.testing import random_target
+from treeflash_hf.engine.cache import compact_cache, repack
+from treeflash_hf.engine.tree import TreeBatch, best_first_tree, chain_tree, table_children
+from treeflash_hf.engine.verify import verify_trees
+from treeflash_hf.recipes.testing import random_target
 
 
 def random_tables(rows: int, k: int, vocab: int, seed: int):

@@ -20,18 +20,14 @@ from transformers import AutoConfig, AutoModel  # noqa: E402
 
 from .modeling.configuration_treeflash_drafter import TreeFlashDrafterConfig
 from .modeling.modeling_treeflash_drafter import TreeFlashDrafterModel
-from .draft import BlockDraft, TreeFlashCandidateGenerator
-from .generation import (
-    TreeFlashGenerateOutput,
-    TreeFlashStats,
-    install_generate_hook,
-    treeflash_decode,
-    treeflash_generate,
-)
-from .learned import forget_learned_state
-from .options import TreeOptions
-from .tree import DraftTree
-from .validation import TreeFlashInputError
+from .engine.draft import BlockDraft, TreeDrafter
+from .integrations.candidate_generator import TreeFlashCandidateGenerator
+from .engine.decode import TreeFlashGenerateOutput, TreeFlashStats, treeflash_decode, treeflash_generate
+from .integrations.generate_hook import install_generate_hook
+from .engine.learned import forget_learned_state
+from .engine.options import TreeOptions
+from .engine.tree import DraftTree
+from .engine.validation import TreeFlashInputError
 
 __version__ = "0.1.0"
 
@@ -44,6 +40,7 @@ install_generate_hook()
 __all__ = [
     "BlockDraft",
     "DraftTree",
+    "TreeDrafter",
     "TreeFlashCandidateGenerator",
     "TreeFlashDrafterConfig",
     "TreeFlashDrafterModel",

@@ -1,4 +1,5 @@
-"""Argument types and shared options of the `treeflash-hf` commands (below `cli.py` and every command module)."""
+"""Argument types and the flags several `treeflash-hf` commands share, each defined once here (a command passes its
+own default where it trains at its own scale)."""
 
 from __future__ import annotations
 
@@ -41,8 +42,8 @@ def _integer(value: str) -> int:
 
 
 def add_pair_argument(parser: argparse.ArgumentParser, help_suffix: str = "") -> None:
-    """`--pair NAME`: the reference pair a command runs (see `treeflash_hf/pairs.py`)."""
-    from .pairs import DEFAULT_PAIR, PAIRS
+    """`--pair NAME`: the reference pair a command runs (see `treeflash_hf/recipes/pairs.py`)."""
+    from .recipes.pairs import DEFAULT_PAIR, PAIRS
 
     parser.add_argument("--pair", choices=PAIRS, default=DEFAULT_PAIR,
                         help=f"the reference pair (default {DEFAULT_PAIR}; tiny: the small pair for fast tests)"
@@ -50,9 +51,26 @@ def add_pair_argument(parser: argparse.ArgumentParser, help_suffix: str = "") ->
 
 
 def add_target_quant_argument(parser: argparse.ArgumentParser) -> None:
-    """`--target-quant SPEC`: quantize the target before running (see `treeflash_hf/quantize.py`)."""
-    from .quantize import QUANT_SPECS
+    """`--target-quant SPEC`: quantize the target before running (see `treeflash_hf/integrations/quantize.py`)."""
+    from .integrations.quantize import QUANT_SPECS
 
     parser.add_argument("--target-quant", choices=QUANT_SPECS, default="none", metavar="SPEC",
                         help=f"quantize the target, float32 compute: {', '.join(QUANT_SPECS)} (default none; needs "
                              "pip install treeflash-hf[quant])")
+
+
+def add_drafter_arguments(parser: argparse.ArgumentParser, drafter_layers: int, num_anchors: int) -> None:
+    """`--drafter-layers` and `--num-anchors`: the shape of a new drafter and the blocks its training samples."""
+    parser.add_argument("--drafter-layers", type=positive_int, default=drafter_layers,
+                        help=f"decoder layers of a new drafter (default {drafter_layers})")
+    parser.add_argument("--num-anchors", type=positive_int, default=num_anchors,
+                        help=f"blocks sampled per training sequence, each drafted from one anchor (default {num_anchors})")
+
+
+def add_optimizer_arguments(parser: argparse.ArgumentParser, lr: float, batch_size: int, seq_len: int) -> None:
+    """`--lr`, `--batch-size`, `--seq-len`: the optimisation a training command runs."""
+    parser.add_argument("--lr", type=float, default=lr, help=f"peak learning rate (default {lr:g})")
+    parser.add_argument("--batch-size", type=positive_int, default=batch_size,
+                        help=f"sequences per step over all processes together (default {batch_size})")
+    parser.add_argument("--seq-len", type=positive_int, default=seq_len,
+                        help=f"tokens per training sequence (default {seq_len})")

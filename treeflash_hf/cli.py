@@ -11,6 +11,16 @@ import argparse
 import sys
 from pathlib import Path
 
+from .hub import bundle, convert, push
+from .recipes import corpus, drafter_recipe, tiny_suite
+from .tools import ablate, bench, demo, evaluate, profile, quant_bench, serve_bench, train
+from .training.checkpoint import CheckpointError
+
+# the subcommands: each module's `add_parser` adds its own
+COMMANDS = (ablate, bench, bundle, convert, demo, evaluate, push, train, profile, quant_bench, serve_bench)
+# `treeflash-hf reference ...`: the reference pairs' recipes
+REFERENCE_COMMANDS = (corpus, drafter_recipe, tiny_suite)
+
 # arguments that name a model to read: each must be an existing folder or a Hub id
 MODEL_ARGUMENTS = {"target": "--target", "drafter": "--drafter", "tokenizer": "--tokenizer", "draft_lm": "--draft-lm"}
 
@@ -52,21 +62,12 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--debug", action="store_true",
                         help="show the Python traceback of a failure (accepted anywhere on the command line)")
     sub = parser.add_subparsers(dest="command", required=True)
-    from . import ablate, bench, bundle, convert, demo, evaluate, hub, profile, quant_bench, reference, serve_bench
-    from .training import cli as train_cli
-
-    ablate.add_parser(sub)
-    bench.add_parser(sub)
-    bundle.add_parser(sub)
-    convert.add_parser(sub)
-    demo.add_parser(sub)
-    evaluate.add_parser(sub)
-    hub.add_parser(sub)
-    train_cli.add_parser(sub)
-    profile.add_parser(sub)
-    quant_bench.add_parser(sub)
-    reference.add_parser(sub)
-    serve_bench.add_parser(sub)
+    for command in COMMANDS:
+        command.add_parser(sub)
+    reference = sub.add_parser("reference", help="Build or evaluate the bundled reference suite.")
+    reference_sub = reference.add_subparsers(dest="reference_command", required=True)
+    for command in REFERENCE_COMMANDS:
+        command.add_parser(reference_sub)
     return parser
 
 
@@ -74,8 +75,6 @@ def expected_errors() -> tuple[type[BaseException], ...]:
     """Failures a user can fix, whose messages say how: the project's errors (`ValueError` subclasses, and
     `CheckpointError`), missing files and Hub failures (`OSError`, which includes huggingface_hub's HTTP errors),
     corrupt weights (safetensors' own error) and the HTTP client's connection errors."""
-    from .training.checkpoint import CheckpointError
-
     errors: list[type[BaseException]] = [ValueError, OSError, CheckpointError]
     try:
         from safetensors import SafetensorError
@@ -93,10 +92,8 @@ def expected_errors() -> tuple[type[BaseException], ...]:
 
 def describe(err: BaseException) -> str:
     """One line for an expected failure: its message, plus what to do where the message does not say."""
-    from .hub import is_network_error
-
     message = " ".join(str(err).split()) or type(err).__name__
-    if is_network_error(err):
+    if push.is_network_error(err):
         return (f"cannot reach the Hugging Face Hub ({message}): check the network connection, or use local folders "
                 "(HF_HUB_OFFLINE=1 reads only the local cache)")
     if type(err).__name__ == "SafetensorError":

@@ -16,7 +16,7 @@ from dataclasses import dataclass
 
 import torch
 
-from ..validation import check_pair
+from ..engine.validation import check_pair
 from .loop import LossTerms, LoopConfig, Shard, ratios, train_loop
 
 
@@ -111,7 +111,7 @@ def draft_head_log_probs(lm_head: torch.nn.Module, hidden: torch.Tensor,
     """The drafter's log-probs `[..., V']` from the target's (frozen) head on `hidden [..., H]`: on the rows of the
     draft vocabulary `token_ids` only (a plain `nn.Linear` head is multiplied by those rows), `[..., V]` when
     None."""
-    from ..draft import full_tensor, is_plain_linear
+    from ..engine.draft import full_tensor, is_plain_linear
 
     if token_ids is None:
         logits = lm_head(hidden)
@@ -314,3 +314,25 @@ def train_drafter(target, drafter, train_data, heldout_batches: list, loss_confi
 
 __all__ = ["DrafterLossConfig", "Teacher", "block_loss_terms", "drafter_loss", "drafter_loss_terms", "target_teacher", "freeze_for_stage", "slot_weights",
            "train_drafter", "block_attention_mask", "sample_anchors"]
+
+
+def new_drafter(target, num_layers: int, block_size: int, mask_token_id: int, target_layer_ids: list[int] | None = None,
+                ar_intermediate_size: int | None = None):
+    """A fresh drafter shaped for `target` (its width, heads, vocabulary and RoPE base), `num_layers` decoder layers,
+    drafting blocks of `block_size` with `mask_token_id` (a reserved token of the target's vocabulary)."""
+    from ..modeling.configuration_treeflash_drafter import TreeFlashDrafterConfig
+    from ..modeling.modeling_treeflash_drafter import TreeFlashDrafterModel
+
+    text = target.config.get_text_config()
+    rope = getattr(text, "rope_parameters", None) or {}
+    extra = {} if target_layer_ids is None else {"target_layer_ids": target_layer_ids}
+    if ar_intermediate_size is not None:
+        extra["ar_intermediate_size"] = ar_intermediate_size
+    config = TreeFlashDrafterConfig(
+        vocab_size=text.vocab_size, hidden_size=text.hidden_size, intermediate_size=text.intermediate_size,
+        num_hidden_layers=num_layers, num_attention_heads=text.num_attention_heads,
+        num_key_value_heads=text.num_key_value_heads, head_dim=getattr(text, "head_dim", None),
+        rope_theta=rope.get("rope_theta", getattr(text, "rope_theta", 10000.0)), block_size=block_size,
+        mask_token_id=mask_token_id, num_target_layers=text.num_hidden_layers, **extra,
+    )
+    return TreeFlashDrafterModel(config)

