@@ -13,10 +13,9 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
-from transformers import DynamicCache
 from transformers.generation.candidate_generator import CandidateGenerator
 
-from .cache import growing_cache, repack, select_rows, valid_or_all
+from .cache import drafter_cache, repack, select_rows, valid_or_all
 from .lookup import with_lookup_branch
 from .options import TreeOptions
 from .tree import ChildList, DraftTree, best_first_tree, chain_tree, table_children
@@ -344,7 +343,7 @@ class TreeFlashCandidateGenerator(CandidateGenerator):
         self.block_size = config.block_size
         self.mask_token_id = config.mask_token_id
         self.two_prev_tokens = config.ar_num_prev_tokens == 2
-        self.cache = growing_cache(DynamicCache(config=config))
+        self.cache = drafter_cache(config)
         self.key_valid: torch.BoolTensor | None = None  # [R, C] valid drafter-cache slots (None: all valid)
         self.do_sample = do_sample
         self.max_length = max_length
@@ -513,7 +512,7 @@ class TreeFlashCandidateGenerator(CandidateGenerator):
 
     def reset(self) -> None:
         """Forget every row (the working batch emptied): the next draft starts a fresh drafter cache."""
-        self.cache = growing_cache(DynamicCache(config=self.drafter.config))
+        self.cache = drafter_cache(self.drafter.config)
         self.key_valid = None
 
     def repack(self) -> None:
