@@ -20,6 +20,7 @@ from transformers import AutoConfig, AutoModel  # noqa: E402
 
 from .modeling.configuration_treeflash_drafter import TreeFlashDrafterConfig
 from .modeling.modeling_treeflash_drafter import TreeFlashDrafterModel
+from .convert import install_auto_model_hook
 from .draft import BlockDraft, TreeFlashCandidateGenerator
 from .generation import (
     TreeFlashGenerateOutput,
@@ -40,6 +41,7 @@ AutoModel.register(TreeFlashDrafterConfig, TreeFlashDrafterModel, exist_ok=True)
 TreeFlashDrafterConfig.register_for_auto_class()
 TreeFlashDrafterModel.register_for_auto_class("AutoModel")
 install_generate_hook()
+install_auto_model_hook()  # AutoModel.from_pretrained(<z-lab DFlash or TreeFlash-release drafter>) -> our drafter
 
 __all__ = [
     "BlockDraft",
