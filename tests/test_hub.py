@@ -225,9 +225,10 @@ def synthetic_dflash(folder, prefix="", treeflash=False, theta=1_000_000.0):
               "dflash_config": {"mask_token_id": V - 1, "target_layer_ids": [1, 3, 5]}}
     ar = {}
     if treeflash:
-        ar = {"ar_approximation.ug.weight": rand(2 * 40, 2 * H), "ar_approximation.ug.bias": rand(80),
-              "ar_approximation.d.weight": rand(H, 40), "ar_approximation.norm.weight": 1 + rand(H)}
-        config["treeflash_config"] = {"ar_approximation": "swiglu", "top_m": 8}
+        # the release's SwiGLUApproximation(hidden_size, config.intermediate_size)
+        ar = {"ar_approximation.ug.weight": rand(2 * INNER, 2 * H), "ar_approximation.ug.bias": rand(2 * INNER),
+              "ar_approximation.d.weight": rand(H, INNER), "ar_approximation.norm.weight": 1 + rand(H)}
+        config["treeflash_config"] = {"ar_approximation": "swiglu", "candidate_tokens": 32}
     folder.mkdir(parents=True)
     (folder / "config.json").write_text(json.dumps(config))
     save_file({prefix + k: v.contiguous() for k, v in (w | ar).items()}, str(folder / "model.safetensors"))
@@ -269,7 +270,7 @@ def test_convert_treeflash_release_checkpoint(tmp_path):
     expected = rmsnorm(base + (torch.nn.functional.silu(g) * u) @ weights["ar_approximation.d.weight"].T,
                        weights["norm.weight"])
     torch.testing.assert_close(ours, expected, atol=1e-5, rtol=1e-5)
-    assert model.config.tree_top_m == 8
+    assert model.config.tree_budget == 32  # the release's tree size (`candidate_tokens`, root included)
 
 
 def test_convert_rejects_other_checkpoints(tmp_path):

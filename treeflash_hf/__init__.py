@@ -18,16 +18,17 @@ logging.getLogger("torch.utils._pytree").addFilter(
 
 from transformers import AutoConfig, AutoModel  # noqa: E402
 
-from .modeling.configuration_treeflash_drafter import TreeFlashDrafterConfig
-from .modeling.modeling_treeflash_drafter import TreeFlashDrafterModel
-from .engine.draft import BlockDraft, TreeDrafter
-from .integrations.candidate_generator import TreeFlashCandidateGenerator
 from .engine.decode import TreeFlashGenerateOutput, TreeFlashStats, treeflash_decode, treeflash_generate
-from .integrations.generate_hook import install_generate_hook
+from .engine.draft import BlockDraft, TreeDrafter
 from .engine.learned import forget_learned_state
 from .engine.options import TreeOptions
 from .engine.tree import DraftTree
 from .engine.validation import TreeFlashInputError
+from .integrations.auto_model import install_auto_model_hook
+from .integrations.candidate_generator import TreeFlashCandidateGenerator
+from .integrations.generate_hook import install_generate_hook
+from .modeling.configuration_treeflash_drafter import TreeFlashDrafterConfig
+from .modeling.modeling_treeflash_drafter import TreeFlashDrafterModel
 
 __version__ = "0.1.0"
 
@@ -36,6 +37,7 @@ AutoModel.register(TreeFlashDrafterConfig, TreeFlashDrafterModel, exist_ok=True)
 TreeFlashDrafterConfig.register_for_auto_class()
 TreeFlashDrafterModel.register_for_auto_class("AutoModel")
 install_generate_hook()
+install_auto_model_hook()  # AutoModel.from_pretrained(<z-lab DFlash or TreeFlash-release drafter>) -> our drafter
 
 __all__ = [
     "BlockDraft",

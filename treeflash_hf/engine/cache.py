@@ -60,6 +60,15 @@ def growing_cache(cache: DynamicCache) -> DynamicCache:
     return cache
 
 
+def drafter_cache(config) -> DynamicCache:
+    """An empty growing cache for the drafter with a full-attention layer per drafter layer, whatever its
+    `layer_types`: the drafter masks its sliding windows itself (by position), and the slot bookkeeping here
+    (`key_valid`, re-packing, row selection) needs every layer to keep every slot."""
+    cache = DynamicCache(config=config)
+    cache.layers = [GrowingLayer() for _ in cache.layers]
+    return cache
+
+
 def check_cache_supported(cache) -> None:
     """Tree verification appends a whole tree to the cache and then selects positions: that needs a plain
     dynamic cache (full-attention layers)."""

@@ -15,9 +15,8 @@ import weakref
 from dataclasses import dataclass
 
 import torch
-from transformers import DynamicCache
 
-from .cache import growing_cache, repack, select_rows, valid_or_all
+from .cache import drafter_cache, repack, select_rows, valid_or_all
 from .lookup import with_lookup_branch
 from .options import TreeOptions
 from .trace import DRAFT, TREE, traced
@@ -340,7 +339,7 @@ class TreeDrafter:
         self.block_size = config.block_size
         self.mask_token_id = config.mask_token_id
         self.two_prev_tokens = config.ar_num_prev_tokens == 2
-        self.cache = growing_cache(DynamicCache(config=config))
+        self.cache = drafter_cache(config)
         self.key_valid: torch.BoolTensor | None = None  # [R, L] valid drafter-cache slots (None: all valid)
         # How stage 2 runs (the same tree either way): "batched" evaluates every (depth, top-M token) row of every
         # batch row in one call (about M*Q rows each); "lazy" evaluates only the rows of nodes the best-first
@@ -507,7 +506,7 @@ class TreeDrafter:
 
     def reset(self) -> None:
         """Forget every row (the working batch emptied): the next draft starts a fresh drafter cache."""
-        self.cache = growing_cache(DynamicCache(config=self.drafter.config))
+        self.cache = drafter_cache(self.drafter.config)
         self.key_valid = None
 
     def repack(self) -> None:

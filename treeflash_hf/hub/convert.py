@@ -1,29 +1,34 @@
-"""`treeflash-hf convert-dflash SRC DST`: import a published DFlash drafter (z-lab format) or a TreeFlash
-checkpoint in the authors' release format as a TreeFlash drafter.
+"""`treeflash-hf convert-dflash SRC DST`: write a published drafter (a folder or a Hub id) as a TreeFlash drafter folder
+in our layout.
 
-z-lab DFlash: a Qwen3 config plus `block_size`, `num_target_layers` and `dflash_config: {mask_token_id,
-target_layer_ids}`; weights `fc`, `hidden_norm`, `layers.*`, `norm`. The AR layer is added zero-initialised,
-so the converted drafter drafts exactly what the DFlash checkpoint drafts.
-TreeFlash release: the backbone under `model.`, the AR layer as `ar_approximation.{ug,d,norm}`, and a
-`treeflash_config` dict in the config.
+The mapping itself lives with the model (`TreeFlashDrafterModel.from_pretrained`, which loads the published layouts
+directly; `configuration_treeflash_drafter.published_config_dict` for the config):
+- z-lab DFlash (and SpecForge / speculators exports in its layout): a Qwen3 config plus `block_size`,
+  `num_target_layers` and `dflash_config: {mask_token_id, target_layer_ids}`, its RoPE (YaRN, llama3, ...) and
+  per-layer sliding windows kept; weights `fc`, `hidden_norm`, `layers.*`, `norm`. The AR layer is added as the
+  identity (zero `d`), so the drafter drafts exactly what the DFlash checkpoint drafts.
+- The TreeFlash authors' release: the backbone under `model.`, the AR layer as `ar_approximation.{ug,d,norm}`, and
+  `treeflash_config.{ar_approximation, candidate_tokens}` (top-level fallbacks; `ar_approximation` null = a plain DFlash
+  drafter). A config that declares the AR layer over weights without it is refused, naming the missing keys.
+Decoding defaults of a converted drafter are the publisher's (see the config module): the release's tree of
+`candidate_tokens` nodes (64 when unnamed), top 16 per depth and 16 children per AR row, no lookup branch.
 """
 
 from __future__ import annotations
 
 import argparse
-import json
 from pathlib import Path
 
 import torch
+from safetensors import safe_open
 from safetensors.torch import load_file
 
-from ..modeling.configuration_treeflash_drafter import TreeFlashDrafterConfig
+from ..modeling.configuration_treeflash_drafter import checkpoint_layout
 from ..modeling.modeling_treeflash_drafter import TreeFlashDrafterModel
-from ..training.drafter import AR_PREFIX
 
 
 class ConversionError(ValueError):
-    """A source checkpoint that is not in a known DFlash / TreeFlash format."""
+    """A source checkpoint that is not in a known DFlash / TreeFlash format, or cannot be fetched."""
 
 
 def read_weights(src: Path) -> dict[str, torch.Tensor]:
@@ -40,62 +45,61 @@ def read_weights(src: Path) -> dict[str, torch.Tensor]:
     return weights
 
 
-def convert_config(source: dict) -> tuple[TreeFlashDrafterConfig, str]:
-    """Map a DFlash or TreeFlash-release config dict to ours; returns (config, source format name)."""
-    dflash = source.get("dflash_config") or {}
-    treeflash = source.get("treeflash_config") or {}
-    missing = [k for k in ("hidden_size", "num_hidden_layers", "num_attention_heads", "vocab_size", "block_size")
-               if k not in source]
-    if missing or ("mask_token_id" not in dflash and "mask_token_id" not in source):
-        raise ConversionError(f"Not a DFlash drafter config: missing {missing or ['dflash_config.mask_token_id']}.")
-    rope = source.get("rope_parameters") or {}
-    rope_theta = rope.get("rope_theta", source.get("rope_theta", 1_000_000.0))
-    ar_type = treeflash.get("ar_approximation", "swiglu")
-    config = TreeFlashDrafterConfig(
-        vocab_size=source["vocab_size"], hidden_size=source["hidden_size"],
-        intermediate_size=source.get("intermediate_size", 4 * source["hidden_size"]),
-        num_hidden_layers=source["num_hidden_layers"], num_attention_heads=source["num_attention_heads"],
-        num_key_value_heads=source.get("num_key_value_heads", source["num_attention_heads"]),
-        head_dim=source.get("head_dim"), hidden_act=source.get("hidden_act", "silu"),
-        max_position_embeddings=source.get("max_position_embeddings", 40960),
-        rms_norm_eps=source.get("rms_norm_eps", 1e-6), rope_theta=rope_theta,
-        attention_bias=source.get("attention_bias", False), block_size=source["block_size"],
-        mask_token_id=dflash.get("mask_token_id", source.get("mask_token_id")),
-        num_target_layers=source.get("num_target_layers", 36),
-        target_layer_ids=dflash.get("target_layer_ids", source.get("target_layer_ids")),
-        ar_type=ar_type, ar_intermediate_size=treeflash.get("ar_intermediate_size"),
-        tree_top_m=treeflash.get("top_m", 16), tree_top_k=treeflash.get("top_k", 16),
-        tree_budget=treeflash.get("tree_size", 64),
-    )
-    return config, ("treeflash-release" if treeflash else "dflash")
+def check_weights(src: Path) -> None:
+    """Every `*.safetensors` file of `src` has a readable header that fits the file (without reading the tensors)."""
+    files = sorted(src.glob("*.safetensors"))
+    if not files:
+        raise ConversionError(f"No *.safetensors weights in {src}.")
+    for path in files:
+        try:
+            with safe_open(str(path), framework="pt") as handle:
+                handle.keys()
+        except Exception as err:
+            raise ConversionError(f"{path} is not a readable safetensors file ({err}): it is truncated or corrupt; "
+                                  "download the checkpoint again.") from err
+
+
+def fetch(src: str | Path) -> Path:
+    """A local folder as is; a Hub id downloaded (or found in the local cache) with huggingface_hub."""
+    path = Path(src).expanduser()
+    if path.is_dir():
+        return path
+    if path.exists():
+        raise ConversionError(f"{src} is a file, not a model folder: pass the folder that holds config.json.")
+    from huggingface_hub import snapshot_download
+    from huggingface_hub.errors import HFValidationError
+    from huggingface_hub.utils import validate_repo_id
+
+    try:
+        validate_repo_id(str(src))
+    except HFValidationError:
+        raise ConversionError(f"{src} is neither an existing folder nor a Hub model id (like org/name): check the "
+                              "path.") from None
+    try:
+        return Path(snapshot_download(str(src), allow_patterns=["*.json", "*.safetensors", "*.py", "*.md"]))
+    except Exception as err:
+        reason = " ".join(str(err).split()) or type(err).__name__
+        raise ConversionError(
+            f"cannot download {src} from the Hugging Face Hub ({type(err).__name__}: {reason[:300]}): unset "
+            "HF_HUB_OFFLINE and check the network, log in (`hf auth login`) for a gated or private repo, or download "
+            f"it elsewhere with `huggingface-cli download {src} --local-dir DIR` and pass DIR.") from err
 
 
 def convert(src: str | Path, dst: str | Path | None = None) -> TreeFlashDrafterModel:
-    """Load a DFlash / TreeFlash-release folder as a `TreeFlashDrafterModel` (saved to `dst` when given)."""
-    src = Path(src)
-    if not (src / "config.json").exists():
+    """Load a DFlash / TreeFlash-release drafter (a folder or a Hub id) as a `TreeFlashDrafterModel` in its
+    checkpoint's dtype, saved to `dst` in our layout when given."""
+    folder = fetch(src)
+    if not (folder / "config.json").exists():
         raise ConversionError(f"No config.json in {src}.")
-    config, source_format = convert_config(json.loads((src / "config.json").read_text()))
-    weights = read_weights(src)
-    if source_format == "treeflash-release" or any(k.startswith("model.") for k in weights):
-        weights = {k.removeprefix("model."): v for k, v in weights.items()}
-    if "ar_approximation.ug.weight" in weights and config.ar_intermediate_size * 2 != weights[
-            "ar_approximation.ug.weight"].shape[0]:
-        config.ar_intermediate_size = weights["ar_approximation.ug.weight"].shape[0] // 2
-    model = TreeFlashDrafterModel(config)
-    expected = model.state_dict()
-    unknown = sorted(set(weights) - set(expected))
-    missing_backbone = sorted(k for k in set(expected) - set(weights) if not k.startswith(AR_PREFIX))
-    if unknown or missing_backbone:
-        raise ConversionError(f"Weights do not fit a DFlash drafter: unexpected {unknown[:5]}, "
-                              f"missing {missing_backbone[:5]}.")
-    for key, value in weights.items():
-        if value.shape != expected[key].shape:
-            raise ConversionError(f"{key}: shape {tuple(value.shape)} in the checkpoint, "
-                                  f"{tuple(expected[key].shape)} from its config.")
-    model.load_state_dict(weights, strict=False)  # a DFlash source leaves the AR layer zero-initialised
-    dtype = next(iter(weights.values())).dtype
-    model = model.to(dtype).eval()
+    import json
+
+    source = json.loads((folder / "config.json").read_text())
+    if checkpoint_layout(source) is None:
+        kind = "is already a TreeFlash drafter" if source.get("model_type") == "treeflash_drafter" else (
+            "has no dflash_config or treeflash_config")
+        raise ConversionError(f"Not a DFlash drafter config: {folder / 'config.json'} {kind}.")
+    check_weights(folder)  # a truncated or corrupt file gets its own clear error
+    model = TreeFlashDrafterModel.from_pretrained(folder, dtype="auto").eval()
     if dst is not None:
         model.save_pretrained(dst)
     return model
@@ -103,12 +107,15 @@ def convert(src: str | Path, dst: str | Path | None = None) -> TreeFlashDrafterM
 
 def run(args: argparse.Namespace) -> int:
     model = convert(args.src, args.dst)
-    print(f"converted {args.src} -> {args.dst} ({sum(p.numel() for p in model.parameters()) / 1e6:.1f}M params)")
+    print(f"converted {args.src} -> {args.dst} ({sum(p.numel() for p in model.parameters()) / 1e6:.1f}M params, "
+          f"{model.config.tree_mode} tree of {model.config.tree_budget} tokens by default)")
     return 0
 
 
 def add_parser(subparsers) -> None:
-    parser = subparsers.add_parser("convert-dflash", help="Import a DFlash (or TreeFlash release) checkpoint.")
+    parser = subparsers.add_parser(
+        "convert-dflash", help="Write a published DFlash (z-lab) or TreeFlash-release drafter as a TreeFlash drafter "
+                               "folder (SRC: a folder or a Hub id).")
     parser.add_argument("src")
     parser.add_argument("dst")
     parser.set_defaults(func=run)

@@ -324,8 +324,11 @@ def new_drafter(target, num_layers: int, block_size: int, mask_token_id: int, ta
     from ..modeling.modeling_treeflash_drafter import TreeFlashDrafterModel
 
     text = target.config.get_text_config()
-    rope = getattr(text, "rope_parameters", None) or {}
+    # the target's RoPE, scaled ones included (YaRN, llama3, ...): the drafter's positions are the target's
+    rope = {key: value for key, value in dict(getattr(text, "rope_parameters", None) or {}).items() if key != "type"}
     extra = {} if target_layer_ids is None else {"target_layer_ids": target_layer_ids}
+    if rope.get("rope_type", "default") != "default":
+        extra["rope_parameters"] = rope
     if ar_intermediate_size is not None:
         extra["ar_intermediate_size"] = ar_intermediate_size
     config = TreeFlashDrafterConfig(
