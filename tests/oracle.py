@@ -71,15 +71,16 @@ class OracleCandidateGenerator(TreeDrafter):
         shortlists = self.shortlists(log_probs[None])
         block.shortlist = None if shortlists is None else shortlists[0]
 
-    def ar_tables(self, blocks, max_depth):
-        tables = super().ar_tables(blocks, max_depth)
-        for table in tables:
-            depths = torch.arange(max_depth)[:, None].expand_as(table.top).reshape(-1)
-            tokens, log_probs = self._rig(depths, table.top.reshape(-1), table.child_tokens.flatten(0, 1),
-                                          table.child_log_probs.flatten(0, 1))
-            table.child_tokens, table.child_log_probs = tokens.view_as(table.child_tokens), \
-                log_probs.view_as(table.child_log_probs)
-        return tables
+    def ar_table_tensors(self, blocks, max_depth):
+        child_tokens, child_log_probs, top = super().ar_table_tensors(blocks, max_depth)
+        child_tokens, child_log_probs = child_tokens.clone(), child_log_probs.clone()
+        for row in range(len(blocks)):
+            depths = torch.arange(max_depth)[:, None].expand_as(top[row]).reshape(-1)
+            tokens, log_probs = self._rig(depths, top[row].reshape(-1), child_tokens[row].flatten(0, 1),
+                                          child_log_probs[row].flatten(0, 1))
+            child_tokens[row], child_log_probs[row] = tokens.view_as(child_tokens[row]), \
+                log_probs.view_as(child_log_probs[row])
+        return child_tokens, child_log_probs, top
 
     def ar_rows(self, block, parent_depths, parent_tokens):
         child_tokens, child_log_probs = super().ar_rows(block, parent_depths, parent_tokens)

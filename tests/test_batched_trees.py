@@ -1,6 +1,6 @@
 """The batched tree builder (`tree.best_first_trees`): every row's tree from `[R, ...]` tables at once equals the
-best-first heap search's (`tree.best_first_tree`), node for node, on random tables without tied scores; with tied
-scores both are optimal trees with the same scores, prefix-closed and parents first."""
+best-first heap search's (`tree.best_first_tree`), node for node, tied scores included; where a child has
+probability exactly 1 (its parent's score) both are optimal trees with the same scores, parents first."""
 
 import pytest
 import torch
@@ -8,13 +8,14 @@ import torch
 from treeflash_hf.engine.tree import DraftTree, best_first_tree, best_first_tree_tensors, best_first_trees
 
 
-def random_tables(rows: int, depth: int, parents: int, top_k: int, vocab: int, seed: int, tied: bool = False):
+def random_tables(rows: int, depth: int, parents: int, top_k: int, vocab: int, seed: int, tied: str = ""):
     """AR-style tables: `[R, D, P, K]` children (distinct tokens per entry, log-probs sorted decreasing) and
     `[R, D, P]` parent tokens (distinct per depth; entry 0 of depth 0 is the root's row)."""
     generator = torch.Generator().manual_seed(seed)
     tokens = torch.rand(rows, depth, parents, vocab, generator=generator).argsort(dim=-1)[..., :top_k]
-    if tied:  # few distinct values: many exactly equal scores, including zeros (children of probability one)
-        log_probs = -torch.randint(0, 3, (rows, depth, parents, top_k), generator=generator).float()
+    if tied:  # few distinct values: many exactly equal scores ("with_zeros": children of probability one too)
+        log_probs = -torch.randint(0 if tied == "with_zeros" else 1, 4, (rows, depth, parents, top_k),
+                                   generator=generator).float() / 2
     else:
         log_probs = torch.rand(rows, depth, parents, top_k, generator=generator).log() * 3
     log_probs = log_probs.sort(dim=-1, descending=True).values
@@ -64,10 +65,11 @@ def test_batched_trees_equal_the_heap_search(budget):
             assert not bool(batch.valid[row, n:].any())
 
 
+@pytest.mark.parametrize("tied", ["exactly", "with_zeros"])
 @pytest.mark.parametrize("budget", [4, 16, 64])
-def test_batched_trees_with_ties_are_optimal_like_the_heap(budget):
+def test_batched_trees_with_ties_break_them_as_the_heap(budget, tied):
     rows, depth, parents, top_k, vocab = 16, 10, 4, 4, 12
-    roots, tokens, log_probs, parent_tokens = random_tables(rows, depth, parents, top_k, vocab, seed=7, tied=True)
+    roots, tokens, log_probs, parent_tokens = random_tables(rows, depth, parents, top_k, vocab, seed=7, tied=tied)
     tokens[:, :-1, :, :2] = parent_tokens[:, 1:, None, :2]
     batch = best_first_trees(roots, tokens, log_probs, parent_tokens, budget, depth)
     for row in range(rows):
@@ -77,6 +79,8 @@ def test_batched_trees_with_ties_are_optimal_like_the_heap(budget):
         assert tree.size == expected.size
         # the same multiset of path scores: the same value of the OPT-Tree objective, an optimal tree either way
         assert torch.equal(tree.path_log_probs.sort().values, expected.path_log_probs.sort().values)
+        if tied == "exactly":  # ties broken as the heap breaks them: the same tree, node for node
+            assert torch.equal(tree.tokens, expected.tokens) and torch.equal(tree.parents, expected.parents)
 
 
 def test_children_independent_of_the_parent_marginal_tree():
@@ -100,3 +104,21 @@ def test_operator_count_does_not_grow_with_rows():
         return sum(1 for event in profiler.events() if event.name.startswith("aten::") and event.cpu_parent is None)
 
     assert ops(64) == ops(1)
+
+
+@pytest.mark.parametrize("mode", ["treeflash", "marginal_tree"])
+def test_host_reads_per_step_do_not_grow_with_the_batch(mode):
+    """`treeflash-hf profile --ops`'s count: a decode step reads the device no more often for 8 rows than for 1
+    (greedy, no lookup branch, the stopping criteria generate() builds): no per-row host reads in the step."""
+    from treeflash_hf.recipes.testing import matching_drafter, random_target
+    from treeflash_hf.tools.profile import ops_profile
+
+    target = random_target("qwen3", vocab_size=256, hidden_size=64, num_layers=2, num_heads=2, num_kv_heads=1, seed=5)
+    drafter = matching_drafter(target, seed=6, block_size=8)
+    prompt = torch.randint(0, 256, (1, 12), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        one = ops_profile(target, drafter, prompt, 1, 16, mode, 24)
+        eight = ops_profile(target, drafter, prompt, 8, 16, mode, 24)
+    assert one["steps"] == eight["steps"] > 3
+    # per row per step would add >= 7 reads a step; rows leaving the batch read a little once per call
+    assert eight["host_reads"] < one["host_reads"] + 1, (one, eight)

@@ -16,6 +16,7 @@ from transformers.generation.continuous_batching.requests import RequestStatus
 
 from treeflash_hf.integrations import continuous_batching
 from treeflash_hf import reference
+from treeflash_hf.recipes import pairs
 from treeflash_hf.integrations.continuous_batching import TreeFlashBatchProcessor, TreeFlashContinuousBatchingManager
 from treeflash_hf.tools.serving import running_server
 from treeflash_hf.recipes.testing import matching_drafter, random_target
@@ -210,4 +211,4 @@ def test_serve_with_continuous_batching_on_a_folder_runs_treeflash(tmp_path, exp
         for prompt in PROMPTS:
             assert complete(server, prompt) == expected[prompt]
     assert OFF_WARNING not in log_path.read_text(), log_path.read_text()[-3000:]
-    assert drafter_code_loaded(modules_cache, reference.BUNDLED_DIR / "drafter"), log_path.read_text()[-3000:]
+    assert drafter_code_loaded(modules_cache, pairs.bundled_drafter("drafter")), log_path.read_text()[-3000:]

@@ -54,14 +54,15 @@ def test_dry_run_layout(published):
     _, folder, _ = published
     for name in ("config.json", "model.safetensors", "generation_config.json", "README.md",
                  "modeling_treeflash_drafter.py", "configuration_treeflash_drafter.py", "custom_generate/generate.py",
-                 "custom_generate/generation.py", "custom_generate/tree.py"):
+                 "custom_generate/decode.py", "custom_generate/tree.py"):
         assert (folder / name).exists(), name
     assert json.loads((folder / "generation_config.json").read_text())["tree_budget"] == 64
     assert "auto_map" in json.loads((folder / "config.json").read_text())
-    # the Hub copy of the engine is the installed engine, file for file
-    import treeflash_hf.generation as generation
+    # the Hub copy of the engine is the installed engine, flattened into one folder
+    from treeflash_hf.hub.folders import custom_generate_files
 
-    assert (folder / "custom_generate/generation.py").read_text() == open(generation.__file__).read()
+    for name, text in custom_generate_files("hub_generate").items():
+        assert (folder / "custom_generate" / name).read_text() == text, name
 
 
 def test_fresh_process_without_the_package(published):

@@ -60,7 +60,9 @@ def test_smollm2_folder_is_a_complete_treeflash_folder(smollm2):
     target, drafter, tokenizer = smollm2
     folder = pairs.smollm2_target_dir(convert=False)
     assert pairs.is_complete(folder)
-    assert json.loads((folder / BUNDLE_FILE).read_text()) == {"drafter": str(pairs.SMOLLM2_DRAFTER)}
+    drafter_folder = pairs.bundled_drafter(pairs.SMOLLM2_DRAFTER.name)  # with its model files, under the cache
+    assert json.loads((folder / BUNDLE_FILE).read_text()) == {"drafter": str(drafter_folder)}
+    assert (drafter_folder / "model.safetensors").resolve() == (pairs.SMOLLM2_DRAFTER / "model.safetensors").resolve()
     assert (folder / "custom_generate" / "generate.py").is_file()
     assert type(target).__name__ == "LlamaForCausalLM" and target.config.num_hidden_layers == 30
     assert tokenizer.chat_template and tokenizer.eos_token == "<|im_end|>"

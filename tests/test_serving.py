@@ -13,6 +13,7 @@ import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from treeflash_hf import reference
+from treeflash_hf.recipes import pairs
 from treeflash_hf.tools.serve_bench import (
     closed_loop,
     format_load_table,
@@ -25,7 +26,7 @@ from treeflash_hf.tools.serve_bench import (
 )
 from treeflash_hf.tools.serving import running_server, stop_server
 
-FOLDER = reference.BUNDLED_DIR / "target"
+FOLDER = pairs.pair_dirs("tiny")[0]  # the tiny target as a TreeFlash folder (generated under the cache)
 PROMPTS = ["import os\n\n\ndef read_lines(path):\n", "class Stack:\n    def __init__(self):\n"]
 MAX_TOKENS = 16
 REQUEST_TIMEOUT_S = 120.0

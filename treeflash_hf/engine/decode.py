@@ -213,7 +213,7 @@ def lookup_branches(rows: Rows, lookup_rates, lengths: list[int]):
 
 def deepest_node(trees: list) -> int:
     """The depth of the deepest node of any of `trees`."""
-    return max(int(tree.depths.max()) for tree in trees)
+    return int(torch.cat([tree.depths for tree in trees]).max())  # (one read for every row)
 
 
 def plan_step(rows: Rows, options: TreeOptions, learned, generator: TreeDrafter,
@@ -251,7 +251,7 @@ def plan_step(rows: Rows, options: TreeOptions, learned, generator: TreeDrafter,
             width = auto_budget.choose_lookup(plan.trees, share=sync.share_int)
             plan.trees = [tree.prefix(min(width, tree.size)) for tree in plan.trees]
     else:
-        prev_tokens = [int(sequence[0, -2]) for sequence in rows.sequences]
+        prev_tokens = torch.stack([sequence[0, -2] for sequence in rows.sequences]).tolist()
         capped = [(tokens[: budget - 1], log_probs[: budget - 1]) if tokens else None
                   for tokens, log_probs in branches]
         depth_limit = min(max(remaining), budget) - 1
@@ -399,12 +399,45 @@ class Decoder:
         return step, finished
 
 
-def record_step(stats: TreeFlashStats, tree, result: Acceptance, kind: str) -> None:
-    """Append one verification step of one row to its statistics."""
-    stats.accepted_lengths.append(len(result.path))
-    stats.tree_sizes.append(tree.size)
-    stats.expected_accepted_lengths.append(tree.expected_accepted_len)
-    stats.step_kinds.append(kind)
+@dataclass(frozen=True)
+class TokenStops:
+    """`generate()`'s stopping criteria when they are only a length limit and end tokens (`MaxLengthCriteria`,
+    `EosTokenCriteria`, what `generate()` builds by itself): checked on the token ids the host already holds, so
+    emitting a token reads nothing from the device. `of` gives None when any other criterion is present: those are
+    called per emitted token (the slow path: a stop string or a user's criterion reads the sequence)."""
+
+    max_length: int | None
+    end_tokens: frozenset[int]
+
+    @classmethod
+    def of(cls, criteria) -> "TokenStops | None":
+        max_length, end_tokens = None, set()
+        for criterion in criteria or []:
+            if type(criterion) is MaxLengthCriteria:
+                max_length = criterion.max_length if max_length is None else min(max_length, criterion.max_length)
+            elif type(criterion) is EosTokenCriteria:
+                end_tokens.update(criterion.eos_token_id.flatten().tolist())
+            else:
+                return None
+        return cls(max_length, frozenset(end_tokens))
+
+    def stops(self, token: int, length: int) -> bool:
+        """Whether a row must stop after emitting `token`, now `length` tokens long."""
+        return token in self.end_tokens or (self.max_length is not None and length >= self.max_length)
+
+
+def record_step(stats: list[TreeFlashStats], rows: Rows, step: StepResult) -> None:
+    """Append one verification step of every working row to its row's statistics (`stats`: per original row)."""
+    trees = step.plan.trees
+    path_log_probs = torch.nn.utils.rnn.pad_sequence([tree.path_log_probs[1:] for tree in trees], batch_first=True,
+                                                     padding_value=float("-inf"))
+    expected = path_log_probs.exp().sum(dim=1).tolist()  # the drafter's own estimate, every row in one read
+    for row_id, tree, result, estimate in zip(rows.ids, trees, step.accepted, expected):
+        row_stats = stats[row_id]
+        row_stats.accepted_lengths.append(len(result.path))
+        row_stats.tree_sizes.append(tree.size)
+        row_stats.expected_accepted_lengths.append(estimate)
+        row_stats.step_kinds.append(step.plan.kind)
 
 
 @torch.no_grad()
@@ -472,6 +505,7 @@ def treeflash_decode(
     scores: list[list[torch.Tensor]] = [[] for _ in range(batch_size)]
     raw_logits: list[list[torch.Tensor]] = [[] for _ in range(batch_size)]
     results: dict[int, torch.LongTensor] = {}
+    token_stops = TokenStops.of(stopping_criteria)
 
     def emit(row: int, token: int, token_scores: torch.Tensor, token_raw: torch.Tensor) -> bool:
         """Commit one token to working row `row`; True when that row must stop."""
@@ -483,6 +517,8 @@ def treeflash_decode(
             raw_logits[rows.ids[row]].append(token_raw)
         if streamer is not None:
             streamer.put(torch.tensor([token]))
+        if token_stops is not None:
+            return token_stops.stops(token, sequence.shape[1])
         return bool(stopping_criteria(sequence, token_scores).any())
 
     finished = [emit(row, token, processed[row : row + 1], raw[row : row + 1]) for row, token in enumerate(first_tokens)]
@@ -492,8 +528,7 @@ def treeflash_decode(
         if not len(rows):
             break
         step, finished = decoder.advance(rows, cache, emit)
-        for row, (tree, result) in enumerate(zip(step.plan.trees, step.accepted)):
-            record_step(stats[rows.ids[row]], tree, result, step.plan.kind)
+        record_step(stats, rows, step)
 
     if streamer is not None:
         streamer.end()

@@ -19,7 +19,7 @@ import torch
 from .cache import drafter_cache, repack, select_rows, valid_or_all
 from .lookup import with_lookup_branch
 from .options import TreeOptions
-from .trace import DRAFT, TREE, traced
+from .trace import DRAFT, DRAFTER_FORWARD, TREE, record_function, traced
 from .tree import ChildList, DraftTree, best_first_tree, best_first_trees, chain_tree, table_children
 from .validation import TreeFlashInputError
 from .verify import same_logits
@@ -422,13 +422,14 @@ class TreeDrafter:
             new = valid_or_all(new_valid, num_rows, num_context)
             self.key_valid = torch.cat([old.cpu(), new.cpu()], dim=1)
             attention_mask = torch.cat([self.key_valid, torch.ones(num_rows, q_len, dtype=torch.bool)], dim=1).to(device)
-        out = self.drafter(
-            noise_embeds=self.embed(noise_ids),
-            context_hidden_states=context.features.to(device),
-            position_ids=position_ids,
-            attention_mask=attention_mask,
-            cache=self.cache,
-        )
+        with record_function(DRAFTER_FORWARD):
+            out = self.drafter(
+                noise_embeds=self.embed(noise_ids),
+                context_hidden_states=context.features.to(device),
+                position_ids=position_ids,
+                attention_mask=attention_mask,
+                cache=self.cache,
+            )
         self.cache.crop(-q_len)  # keep the context K/V, drop the block's
         depth = max(0, min(q_len - 1, max_depth))
         scored = depth if scored_depth is None else max(0, min(depth, scored_depth))

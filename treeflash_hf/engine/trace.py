@@ -12,9 +12,11 @@ DRAFT = "treeflash::draft"  # drafter forward and marginals
 TREE = "treeflash::tree"  # AR tables and the best-first trees
 VERIFY = "treeflash::verify"  # masks, inputs and the target's forward over the trees
 TARGET_FORWARD = "treeflash::target_forward"  # the target's forward alone (inside VERIFY or PREFILL)
+DRAFTER_FORWARD = "treeflash::drafter_forward"  # the drafter model's forward alone (inside DRAFT)
 ACCEPT = "treeflash::accept"  # the walk down each tree
 COMMIT = "treeflash::commit"  # cache compaction and the drafter's new context
-STAGES = (DRAFT, TREE, VERIFY, TARGET_FORWARD, ACCEPT, COMMIT)
+STAGES = (DRAFT, DRAFTER_FORWARD, TREE, VERIFY, TARGET_FORWARD, ACCEPT, COMMIT)
+FORWARDS = (TARGET_FORWARD, DRAFTER_FORWARD)  # the models' own work; everything else in a step is the engine's
 
 
 def traced(name: str):

@@ -157,25 +157,27 @@ def best_first_tree_tensors(
     among them is a leaf), or None when children do not depend on the parent (entry `[r, d, 0]` for every node).
 
     The best-first search (`best_first_tree`) pops nodes in decreasing path log-probability, and a path's score
-    only falls along it, so its `budget`-node tree is the root plus the `budget - 1` best-scoring nodes. Computed
-    depth by depth: the children of the kept nodes of depth d, of which each row keeps its `budget - 1` best (a
-    node among the `budget - 1` best overall is among the best of its depth, and its parent was kept), then one
-    sort over all kept nodes. Order (the search's pop order): score, then, between equal scores, depth (so a
-    parent precedes a child of equal score and every prefix is a tree), then rank among siblings, then the
-    parent's own place. Without exactly equal scores the trees are the search's, node for node; with them both
-    are optimal trees of equal objective (the same scores), possibly other nodes among the tied.
+    only falls along it, so its `budget`-node tree is the root plus the `budget - 1` best nodes, in the order of the
+    search's heap key: score (summed in float64, as the search sums), then rank among siblings, then the parent's
+    place. Computed depth by depth: the children of the kept nodes of depth d, of which each row keeps its
+    `budget - 1` best (a node among the `budget - 1` best overall is among the best of its depth, and its parent was
+    kept), every kept node placed among all kept so far by that key. The trees are the search's, node for node,
+    exactly equal scores included; a child of probability exactly 1 (the same score as its parent) is placed just
+    below its parent's score, so that parents always precede children.
     """
     num_rows, depth_limit, _, top_k = child_tokens.shape
     device = child_log_probs.device
     keep = budget - 1
     child_tokens = child_tokens.to(device)
-    child_log_probs = child_log_probs.to(device=device, dtype=torch.float32)
+    child_log_probs = child_log_probs.to(device=device, dtype=torch.float64)
     parent_tokens = None if parent_tokens is None else parent_tokens.to(device)
-    # the kept nodes of the current depth, in their order: tokens, scores, rank, and index in the pool of parents
+    ranks = torch.arange(top_k, device=device)
+    # the kept nodes of the current depth: tokens, scores and place in the pool (-1: the root, not pooled)
     frontier_tokens = root_tokens.to(device)[:, None]
-    frontier_scores = torch.zeros(num_rows, 1, dtype=torch.float32, device=device)
-    pool_tokens, pool_scores, pool_depths, pool_parents = [], [], [], []
-    offset, parent_offset = 0, -1  # pool index of the current frontier's first node (-1: the root, not pooled)
+    frontier_scores = torch.zeros(num_rows, 1, dtype=torch.float64, device=device)
+    frontier_index = torch.full((num_rows, 1), -1, dtype=torch.long, device=device)
+    pool: dict[str, list[torch.Tensor]] = {"tokens": [], "scores": [], "ranks": [], "depths": [], "parents": []}
+    place = torch.zeros(num_rows, 0, dtype=torch.long, device=device)  # pool index -> its place in the heap order
     for depth in range(min(max_depth, depth_limit)):
         if keep <= 0:
             break
@@ -187,38 +189,55 @@ def best_first_tree_tensors(
             slot, expandable = match.int().argmax(dim=-1), match.any(dim=-1)
         gather = slot[:, :, None].expand(-1, -1, top_k)
         tokens = child_tokens[:, depth].gather(1, gather)  # [R, F, K]
-        scores = frontier_scores[:, :, None] + child_log_probs[:, depth].gather(1, gather)
+        parent_scores = frontier_scores[:, :, None]
+        scores = torch.minimum(parent_scores + child_log_probs[:, depth].gather(1, gather),
+                               parent_scores.nextafter(parent_scores.new_tensor(float("-inf"))))
         scores = scores.masked_fill(~expandable[:, :, None], float("-inf"))
-        # candidates listed rank-major, so a stable sort on scores breaks ties by rank, then by the parent's place
+        parent_place = (place.gather(1, frontier_index.clamp(min=0)) if depth else frontier_index)[:, :, None]
         width = frontier_tokens.shape[1]
-        flat_scores = scores.transpose(1, 2).reshape(num_rows, -1)
-        order = torch.sort(flat_scores, dim=-1, descending=True, stable=True).indices[:, :keep]  # [R, F']
-        frontier_scores = flat_scores.gather(1, order)
-        frontier_tokens = tokens.transpose(1, 2).reshape(num_rows, -1).gather(1, order)
-        parents = parent_offset + order % width if depth else torch.full_like(order, -1)
-        pool_tokens.append(frontier_tokens)
-        pool_scores.append(frontier_scores)
-        pool_depths.append(torch.full_like(order, depth + 1))
-        pool_parents.append(parents)
-        parent_offset, offset = offset, offset + order.shape[1]
-    if not pool_tokens:
+        # this depth's best `keep` by the heap key: score, then rank, then the parent's place
+        flat = lambda tensor: tensor.expand(num_rows, width, top_k).reshape(num_rows, -1)  # noqa: E731
+        order = heap_order(flat(scores), flat(ranks[None, None, :]), flat(parent_place))[:, :keep]
+        frontier_scores = flat(scores).gather(1, order)
+        frontier_tokens = flat(tokens).gather(1, order)
+        base = sum(len(t[0]) for t in pool["tokens"]) if pool["tokens"] else 0
+        parents = flat(frontier_index[:, :, None]).gather(1, order)
+        pool["tokens"].append(frontier_tokens)
+        pool["scores"].append(frontier_scores)
+        pool["ranks"].append(flat(ranks[None, None, :]).gather(1, order))
+        pool["depths"].append(torch.full_like(order, depth + 1))
+        pool["parents"].append(parents)
+        frontier_index = base + torch.arange(order.shape[1], device=device).expand(num_rows, -1)
+        # every kept node's place among all kept so far (an earlier node's relative place never changes)
+        scores_so_far = torch.cat(pool["scores"], dim=1)
+        parents_so_far = torch.cat(pool["parents"], dim=1)
+        parent_places = torch.where(parents_so_far < 0, -1, torch.cat([place, place.new_zeros(num_rows, order.shape[1])],
+                                                                       dim=1).gather(1, parents_so_far.clamp(min=0)))
+        pooled_order = heap_order(scores_so_far, torch.cat(pool["ranks"], dim=1), parent_places)
+        place = torch.empty_like(pooled_order).scatter_(
+            1, pooled_order, torch.arange(pooled_order.shape[1], device=device).repeat(num_rows, 1))
+    if not pool["tokens"]:
         zeros = torch.zeros(num_rows, 1, dtype=torch.long, device=device)
         return root_tokens.to(device)[:, None], zeros - 1, zeros, torch.zeros(num_rows, 1, device=device)
-    scores = torch.cat(pool_scores, dim=1)
-    # pooled depth by depth: a stable sort on scores breaks ties by depth, then by each depth's own order
-    order = torch.sort(scores, dim=-1, descending=True, stable=True).indices[:, :keep]  # [R, B-1]
-    position = torch.zeros_like(scores, dtype=torch.long).scatter_(  # pool index -> place in the tree
-        1, order, torch.arange(1, order.shape[1] + 1, device=device).repeat(num_rows, 1))
-    pool_parent = torch.cat(pool_parents, dim=1).gather(1, order)
-    parents = torch.where(pool_parent < 0, 0, position.gather(1, pool_parent.clamp(min=0)))
-    node_scores = scores.gather(1, order)
+    order = pooled_order[:, :keep]  # [R, B-1]: the tree's nodes below the root, in the search's order
+    pool_parent = torch.cat(pool["parents"], dim=1).gather(1, order)
+    parents = torch.where(pool_parent < 0, 0, place.gather(1, pool_parent.clamp(min=0)) + 1)
     root = torch.zeros(num_rows, 1, dtype=torch.long, device=device)
     return (
-        torch.cat([root_tokens.to(device)[:, None], torch.cat(pool_tokens, dim=1).gather(1, order)], dim=1),
+        torch.cat([root_tokens.to(device)[:, None], torch.cat(pool["tokens"], dim=1).gather(1, order)], dim=1),
         torch.cat([root - 1, parents], dim=1),
-        torch.cat([root, torch.cat(pool_depths, dim=1).gather(1, order)], dim=1),
-        torch.cat([torch.zeros(num_rows, 1, device=device), node_scores], dim=1),
+        torch.cat([root, torch.cat(pool["depths"], dim=1).gather(1, order)], dim=1),
+        torch.cat([torch.zeros(num_rows, 1, device=device), scores_so_far.gather(1, order).float()], dim=1),
     )
+
+
+def heap_order(scores: torch.Tensor, ranks: torch.LongTensor, parent_places: torch.LongTensor) -> torch.LongTensor:
+    """`[R, C]` -> the indices that order each row's candidates as the best-first search's heap pops them: by
+    decreasing score, then increasing rank among siblings, then the parent's place (stable sorts, least significant
+    key first)."""
+    order = parent_places.argsort(dim=1, stable=True)
+    order = order.gather(1, ranks.gather(1, order).argsort(dim=1, stable=True))
+    return order.gather(1, scores.gather(1, order).argsort(dim=1, descending=True, stable=True))
 
 
 def chain_tree(root_token: int, tokens: torch.LongTensor, log_probs: torch.Tensor) -> DraftTree:

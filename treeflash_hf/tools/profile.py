@@ -17,8 +17,10 @@ from collections import defaultdict
 from pathlib import Path
 
 import torch
+from torch.overrides import TorchFunctionMode
 
 from ..engine import decode, trace
+
 from ..arguments import add_pair_argument, tree_budget
 from ..engine.budget import measure_verify_cost
 from ..engine.draft import TreeDrafter
@@ -27,6 +29,7 @@ from ..recipes.testing import matching_drafter, random_target
 
 STAGES = {  # what each engine range is called in the report; nested ones are indented
     trace.DRAFT: "draft (drafter forward + marginals)",
+    trace.DRAFTER_FORWARD: "  of which the drafter forward",
     trace.TREE: "tree (AR tables + best-first)",
     trace.VERIFY: "verify (masks, inputs, target forward)",
     trace.TARGET_FORWARD: "  of which the target forward",
@@ -47,15 +50,16 @@ def stage_seconds(events) -> dict[str, float]:
 
 
 @contextlib.contextmanager
-def profiler_without_native_log():
-    """`torch.profiler.profile` over the CPU, without the lines its native side writes to stderr at start and stop
-    (torch 2.13 logs "USDT: ... profiler_start"); everything else written to stderr meanwhile is passed on."""
+def profiler_without_native_log(activities=None):
+    """`torch.profiler.profile` (over the CPU unless `activities` says more), without the lines its native side
+    writes to stderr at start and stop (torch 2.13 logs "USDT: ... profiler_start"); everything else written to
+    stderr meanwhile is passed on."""
     sys.stderr.flush()
     saved = os.dup(2)
     with tempfile.TemporaryFile(mode="w+b") as captured:
         os.dup2(captured.fileno(), 2)
         try:
-            with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as profiler:
+            with torch.profiler.profile(activities=activities or [torch.profiler.ProfilerActivity.CPU]) as profiler:
                 yield profiler
         finally:
             sys.stderr.flush()
@@ -78,6 +82,114 @@ def profile_budget(target, drafter, prompt, budget: int | str, mode: str, new_to
         wall = time.perf_counter() - start
     totals = stage_seconds(profiler.events())
     return totals, len(out.tree_sizes), wall - totals.pop(trace.PREFILL, 0.0)
+
+
+# calls whose result the host reads from the device: each one a synchronisation on an accelerator
+HOST_READS = frozenset({"tolist", "item", "__bool__", "__int__", "__float__", "__index__", "nonzero", "argwhere",
+                        "masked_select", "unique", "unique_consecutive"})
+
+
+def is_mask_index(index) -> bool:
+    """A boolean-tensor index (a data-dependent shape), alone or in a tuple."""
+    parts = index if isinstance(index, tuple) else (index,)
+    return any(isinstance(part, torch.Tensor) and part.dtype == torch.bool for part in parts)
+
+
+class HostReads(TorchFunctionMode):
+    """Counts, while active, the torch calls that make the host read the device: `.tolist()`, `.item()`, `int()` /
+    `bool()` / `float()` of a tensor, and data-dependent shapes (`nonzero`, boolean-mask indexing, `unique`). On a
+    CPU they cost little; on an accelerator each one stops the host until the device catches up."""
+
+    def __init__(self):
+        super().__init__()
+        self.count = 0
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        name = getattr(func, "__name__", "")
+        if name in HOST_READS or (name in ("__getitem__", "__setitem__") and len(args) > 1 and is_mask_index(args[1])):
+            self.count += 1
+        return func(*args, **(kwargs or {}))
+
+
+def ancestors(event):
+    while event.cpu_parent is not None:
+        event = event.cpu_parent
+        yield event
+
+
+def step_counts(events) -> dict:
+    """From the profiler's events of one decoding call: decode steps (verifications), the engine's operators (aten
+    operators dispatched outside the target's and the drafter's forwards and outside the prefill, counted at the top
+    level: an operator another one calls is part of it), the forwards' operators, and seconds per range."""
+    counts = {"steps": 0, "engine_ops": 0, "forward_ops": 0, "seconds": defaultdict(float)}
+    for event in events:
+        if event.name.startswith("treeflash::"):
+            inside_prefill = any(parent.name == trace.PREFILL for parent in ancestors(event))
+            if not inside_prefill:
+                counts["seconds"][event.name] += event.cpu_time_total / 1e6
+                counts["steps"] += event.name == trace.VERIFY
+            continue
+        if not event.name.startswith("aten::") or (event.cpu_parent is not None and
+                                                   event.cpu_parent.name.startswith("aten::")):
+            continue
+        names = {parent.name for parent in ancestors(event)}
+        if trace.PREFILL in names:
+            continue
+        counts["forward_ops" if names & set(trace.FORWARDS) else "engine_ops"] += 1
+    return counts
+
+
+def ops_profile(target, drafter, prompt: torch.LongTensor, batch: int, budget: int | str, mode: str,
+                new_tokens: int) -> dict:
+    """Per decode step of greedy TreeFlash decoding (no lookup branch) of `batch` copies of `prompt [1, S]`: host
+    reads, the engine's operators, the forwards' operators, and the engine's share of the step's time. Host reads of
+    the prefill (a call that stops after its first token) are subtracted."""
+    prompts = prompt.expand(batch, -1)
+
+    def decode_prompts(max_new_tokens: int):
+        reads = HostReads()
+        with profiler_without_native_log() as profiler, reads:
+            start = time.perf_counter()
+            out = decode.treeflash_generate(target, drafter, prompts, max_new_tokens=max_new_tokens,
+                                                   tree_mode=mode, tree_budget=budget, tree_lookup=0, pad_token_id=0)
+            wall = time.perf_counter() - start
+        return out, reads.count, profiler.events(), wall
+
+    decode_prompts(8)  # warm-up (and, under "auto", the cost curve)
+    _, prefill_reads, _, _ = decode_prompts(1)
+    out, reads, events, wall = decode_prompts(new_tokens)
+    counts = step_counts(events)
+    steps = max(counts["steps"], 1)
+    seconds = counts["seconds"]
+    step_seconds = wall - seconds[trace.PREFILL]
+    forward_seconds = seconds[trace.TARGET_FORWARD] + seconds[trace.DRAFTER_FORWARD]
+    return {"batch": batch, "budget": budget, "steps": counts["steps"],
+            "tau": float(out.tau), "host_reads": (reads - prefill_reads) / steps,
+            "engine_ops": counts["engine_ops"] / steps, "forward_ops": counts["forward_ops"] / steps,
+            "step_ms": step_seconds / steps * 1e3, "engine_share": 1 - forward_seconds / step_seconds}
+
+
+def run_ops(args: argparse.Namespace) -> int:
+    target, drafter, prompt, description = profiled_pair(args)
+    print(f"{description}; {args.threads} threads; mode {args.mode}; {args.new_tokens} new tokens")
+    rows = []
+    print("| batch | budget | steps | tau | host reads / step | engine ops / step | forward ops / step | step ms | "
+          "engine share |")
+    print("|---|---|---|---|---|---|---|---|---|")
+    with torch.no_grad():
+        for batch, budget in zip(args.batches, args.budgets) if len(args.budgets) == len(args.batches) else (
+                (b, g) for b in args.batches for g in args.budgets):
+            row = ops_profile(target, drafter, prompt, batch, budget, args.mode, args.new_tokens)
+            rows.append(row)
+            print(f"| {batch} | {budget} | {row['steps']} | {row['tau']:.2f} | {row['host_reads']:.1f} | "
+                  f"{row['engine_ops']:.0f} | {row['forward_ops']:.0f} | {row['step_ms']:.1f} | "
+                  f"{100 * row['engine_share']:.0f}% |", flush=True)
+    print("(per decode step, the prefill excluded; host reads: .tolist()/.item()/int()/bool() of tensors and "
+          "data-dependent shapes, each a sync on an accelerator; ops: aten operators dispatched at the top level, "
+          "the engine's outside the target's and the drafter's forwards)")
+    if args.json:
+        Path(args.json).write_text(json.dumps(rows, indent=2))
+    return 0
 
 
 @torch.no_grad()
@@ -183,15 +295,14 @@ def run_cost_table(args: argparse.Namespace) -> int:
     return 0
 
 
-def run(args: argparse.Namespace) -> int:
-    torch.set_num_threads(args.threads)
-    if args.cost_table:
-        return run_cost_table(args)
+def profiled_pair(args: argparse.Namespace):
+    """(target, drafter, prompt `[1, S]`, a description): the bundled pair `--pair` on a held-out prompt with
+    `--bundled`, else random-init models of the chosen size on a random prompt."""
     if args.bundled:
         from .. import reference
         from ..recipes.prompt_sets import load_prompts
 
-        target, drafter, tokenizer = reference.load(args.pair)
+        target, drafter, tokenizer = reference.load(args.pair, dtype=torch.float32 if args.ops else "auto")
         prompt_set = "packages-heldout" if args.pair == "tiny" else "instruct-heldout"
         text = load_prompts(prompt_set, 1, tokenizer)[0]
         prompt = tokenizer(text, return_tensors="pt", add_special_tokens=False)["input_ids"]
@@ -202,9 +313,20 @@ def run(args: argparse.Namespace) -> int:
         prompt = torch.randint(0, args.vocab - 1, (1, args.prompt_len), generator=generator)
         description = "random Qwen3"
     params = sum(p.numel() for p in target.parameters()) / 1e6
-    print(f"target: {description}, {params:.1f}M parameters, {str(target.dtype).removeprefix('torch.')}; drafter: "
-          f"{drafter.config.num_hidden_layers} layers, block {drafter.config.block_size}; prompt {prompt.shape[1]} "
-          f"tokens; {args.threads} threads; mode {args.mode}")
+    return target, drafter, prompt, (
+        f"target: {description}, {params:.1f}M parameters, {str(target.dtype).removeprefix('torch.')}; drafter: "
+        f"{drafter.config.num_hidden_layers} layers, block {drafter.config.block_size}; prompt {prompt.shape[1]} "
+        "tokens")
+
+
+def run(args: argparse.Namespace) -> int:
+    torch.set_num_threads(args.threads)
+    if args.cost_table:
+        return run_cost_table(args)
+    if args.ops:
+        return run_ops(args)
+    target, drafter, prompt, description = profiled_pair(args)
+    print(description + f"; {args.threads} threads; mode {args.mode}")
     with torch.no_grad():
         profile_budget(target, drafter, prompt, args.budgets[0], args.mode, 8)  # warm-up
         start = time.perf_counter()
@@ -252,5 +374,10 @@ def add_parser(subparsers) -> None:
     parser.add_argument("--verify-sizes", type=int, nargs="+", default=[4, 8, 16, 32])
     parser.add_argument("--train-throughput", action="store_true",
                         help="add causal-LM training tokens/s (autocast in the dtype) to the cost table")
-    parser.add_argument("--json", help="write the cost table as JSON")
+    parser.add_argument("--ops", action="store_true",
+                        help="instead of stage times: per decode step, host reads (syncs on an accelerator), the "
+                             "engine's operators and its share of the step, at each of --batches (paired with "
+                             "--budgets when both have as many values, else every combination)")
+    parser.add_argument("--batches", type=int, nargs="+", default=[1, 8, 32])
+    parser.add_argument("--json", help="write the cost table (or the --ops table) as JSON")
     parser.set_defaults(func=run)
