@@ -12,7 +12,6 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from treeflash_hf import reference
 from treeflash_hf.recipes import pairs
 from treeflash_hf.tools.serve_bench import (
     closed_loop,
