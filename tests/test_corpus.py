@@ -203,3 +203,28 @@ def test_grow_flushes_on_sigterm(tmp_path, tokenizer, tiny_llama):
     assert totals["rounds"] == 1 and totals["shards"] == 1
     assert len(list(corpus.read_corpus(tmp_path))) == 3
     assert signal.getsignal(signal.SIGTERM) == before
+
+
+def test_the_recipe_cuts_chat_windows_from_the_committed_shards_too(tmp_path):
+    """`reference train-drafter` reads the work folder's distilled chunks first, then the corpus's shards: the same
+    tokens and answer masks as the shards hold, in that order; a store lists them by name (so a new shard is
+    appended as training windows)."""
+    import json
+    from argparse import Namespace
+
+    from treeflash_hf.recipes.drafter_recipe import corpus_folder, distill_chunks, distilled_tokens
+
+    work, folder = tmp_path / "work", tmp_path / "corpus"
+    (work / "distill").mkdir(parents=True)
+    (work / "distill" / "chunk-00000.json").write_text(json.dumps([{"ids": [5, 6, 7], "prompt_len": 2}]))
+    rows = random_rows(3, 500)
+    corpus.write_shard(folder, rows, vocab_size=500, end_token_id=0, generation=SETTINGS)
+    chunks = distill_chunks(work, corpus_folder(Namespace(corpus=str(folder))))
+    assert [path.suffix for path in chunks] == [".json", ".npz"]
+    ids, mask, requests = distilled_tokens(chunks)
+    assert requests == 1 + len(rows)
+    assert ids == [5, 6, 7] + [token for row in rows for token in row.tokens.tolist()]
+    assert mask == [0, 0, 1] + [bit for row in rows for bit in [0] * row.prompt_len + [1] * (len(row.tokens) -
+                                                                                          row.prompt_len)]
+    assert corpus_folder(Namespace(corpus=str(tmp_path / "absent"))) is None
+    assert corpus_folder(Namespace()) is None

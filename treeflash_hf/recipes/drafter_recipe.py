@@ -39,12 +39,13 @@ import argparse
 import json
 import time
 from pathlib import Path
-from types import SimpleNamespace
 
 import numpy as np
 import torch
 
 from ..arguments import add_drafter_arguments, add_optimizer_arguments, add_target_quant_argument
+from .corpus import DEFAULT_FOLDER as DEFAULT_CORPUS
+from .corpus import load_shard, shard_paths
 
 STAGES = ("distill", "vocab", "windows", "features", "backbone", "ar", "export")
 RECALIBRATION_STAGES = ("windows", "features", "ar", "export")  # the default; distill and backbone may be asked for
@@ -116,10 +117,19 @@ def distill(target, tokenizer, work: Path, args: argparse.Namespace, autocast: b
 
 
 def distilled_tokens(chunks: list[Path]) -> tuple[list[int], list[int], int]:
-    """The distilled conversations of `chunks` concatenated: token ids, loss mask (prompt tokens 0, answer tokens
-    1), and the number of requests."""
+    """The distilled conversations of `chunks` (the `distill` stage's JSON chunks, or the committed corpus's `.npz`
+    shards) concatenated: token ids, loss mask (prompt tokens 0, answer tokens 1), and the number of requests."""
     ids, mask, requests = [], [], 0
     for path in chunks:
+        if path.suffix == ".npz":
+            shard = load_shard(path)
+            offsets = shard["offsets"]
+            for row, prompt_len in enumerate(shard["prompt_lengths"].tolist()):
+                tokens = shard["tokens"][offsets[row]:offsets[row + 1]].tolist()
+                ids.extend(tokens)
+                mask.extend([0] * prompt_len + [1] * (len(tokens) - prompt_len))
+                requests += 1
+            continue
         for row in json.loads(path.read_text()):
             ids.extend(row["ids"])
             mask.extend([0] * row["prompt_len"] + [1] * (len(row["ids"]) - row["prompt_len"]))
@@ -140,8 +150,17 @@ def cut_windows(ids: list[int], mask: list[int], length: int) -> tuple[np.ndarra
             np.asarray(mask[: count * length], dtype=np.uint8).reshape(count, length))
 
 
-def distill_chunks(work: Path) -> list[Path]:
-    return sorted((work / "distill").glob("chunk-*.json"))
+def distill_chunks(work: Path, corpus: Path | None = None) -> list[Path]:
+    """The chat data, in the order windows are cut from it: this work folder's distilled chunks, then the committed
+    corpus's shards (oldest first; `corpus` None: none). A store lists their names, so data added later (a later
+    `distill` run, new shards) is appended to it as training windows."""
+    return sorted((work / "distill").glob("chunk-*.json")) + ([] if corpus is None else shard_paths(corpus))
+
+
+def corpus_folder(args: argparse.Namespace) -> Path | None:
+    """`--corpus`, when that folder exists (the committed shards of a clone; none elsewhere)."""
+    folder = Path(args.corpus) if getattr(args, "corpus", None) else None
+    return folder if folder is not None and folder.is_dir() else None
 
 
 def make_windows(tokenizer, work: Path, args: argparse.Namespace) -> tuple[np.ndarray, np.ndarray, int, dict]:
@@ -150,7 +169,7 @@ def make_windows(tokenizer, work: Path, args: argparse.Namespace) -> tuple[np.nd
     from .code_corpus import corpus_split
 
     length = args.seq_len + 1
-    chunks = distill_chunks(work)
+    chunks = distill_chunks(work, corpus_folder(args))
     chat, chat_masks, chat_sizes = distilled_windows(chunks, length)
     split = corpus_split(site_packages=True)
     code = code_stream(tokenizer, split["train"], args.code_tokens)
@@ -189,7 +208,7 @@ def choose_draft_vocab(tokenizer, work: Path, args: argparse.Namespace) -> dict:
     from .code_corpus import corpus_split
     from ..training.draft_vocab import frequent_tokens
 
-    ids, mask, requests = distilled_tokens(distill_chunks(work))
+    ids, mask, requests = distilled_tokens(distill_chunks(work, corpus_folder(args)))
     skip = args.heldout_windows * (args.seq_len + 1)
     answers = [token for token, answer in zip(ids[skip:], mask[skip:]) if answer]
     code = code_stream(tokenizer, corpus_split(site_packages=True)["train"], args.code_tokens)
@@ -221,7 +240,7 @@ def add_chat_windows(work: Path, store_dir: Path, args: argparse.Namespace) -> d
     if "chat_chunks" not in meta:
         raise SystemExit(f"error: {store_dir}/store.json does not list the distilled chunks it was cut from "
                          "(\"chat_chunks\"): add that list to grow it, or remove the store to rebuild it.")
-    new_chunks = [path for path in distill_chunks(work) if path.name not in meta["chat_chunks"]]
+    new_chunks = [path for path in distill_chunks(work, corpus_folder(args)) if path.name not in meta["chat_chunks"]]
     if not new_chunks:
         return None
     windows, masks, sizes = distilled_windows(new_chunks, args.seq_len + 1)
@@ -512,6 +531,9 @@ def add_parser(subparsers) -> None:
     parser.add_argument("--distill-requests", type=int, default=2048,
                         help="training requests (a larger count later appends new ones to the work folder's list)")
     parser.add_argument("--distill-batch", type=int, default=128)
+    parser.add_argument("--corpus", default=DEFAULT_CORPUS,
+                        help="the committed corpus of distilled answers (`reference corpus grow`): its shards join "
+                             "the work folder's distilled chunks as chat windows (default %(default)s; '' for none)")
     parser.add_argument("--distill-from", type=int, default=0,
                         help="the first request to answer (a recalibration: past the first ~10, whose dense answers "
                              "hold the held-out chat windows; 128 used)")
