@@ -107,9 +107,10 @@ def test_operator_count_does_not_grow_with_rows():
 
 
 @pytest.mark.parametrize("mode", ["treeflash", "marginal_tree"])
-def test_host_reads_per_step_do_not_grow_with_the_batch(mode):
-    """`treeflash-hf profile --ops`'s count: a decode step reads the device no more often for 8 rows than for 1
-    (greedy, no lookup branch, the stopping criteria generate() builds): no per-row host reads in the step."""
+def test_the_step_reads_and_launches_as_much_for_8_rows_as_for_1(mode):
+    """`treeflash-hf profile --ops`'s counts (greedy, no lookup branch, the stopping criteria generate() builds): a
+    decode step reads the device at most 3 times, for 8 rows as for 1, and its operators that do work grow by less
+    than 1.3x from 1 row to 8 (no per-row tensor work in the step)."""
     from treeflash_hf.recipes.testing import matching_drafter, random_target
     from treeflash_hf.tools.profile import ops_profile
 
@@ -120,5 +121,7 @@ def test_host_reads_per_step_do_not_grow_with_the_batch(mode):
         one = ops_profile(target, drafter, prompt, 1, 16, mode, 24)
         eight = ops_profile(target, drafter, prompt, 8, 16, mode, 24)
     assert one["steps"] == eight["steps"] > 3
-    # per row per step would add >= 7 reads a step; rows leaving the batch read a little once per call
-    assert eight["host_reads"] < one["host_reads"] + 1, (one, eight)
+    # a per-row read would add >= 7 reads a step at 8 rows; reads once per call (the last step's statistics) are
+    # spread over the steps
+    assert one["host_reads"] <= 3 and eight["host_reads"] <= 3, (one, eight)
+    assert eight["engine_ops"] <= 1.3 * one["engine_ops"], (one, eight)

@@ -193,18 +193,18 @@ def test_auto_budget_learns_widths_from_accepted_paths():
     chain = chain_tree(0, torch.arange(1, 16), torch.full((15,), -0.05))  # 16 nodes: root and a 15-token chain
     budget = AutoBudget({1: 1.0, 16: 1.0}, explore_every=10**6, prior_misses=0.0)
     # what verifying each prefix would have yielded: node p adds a token exactly when it is on the accepted path
-    budget.observe([chain.prefix(8)], [[1, 2, 3]], seconds=1.5)
+    budget.observe([8], [[1, 2, 3]], seconds=1.5)
     assert budget.expected_tokens(8) == [1, 2, 3, 4, 4, 4, 4, 4]
     assert budget.overhead[1] == pytest.approx(0.5)  # the step's time besides the measured verification cost
     # rows that verified fewer places do not count against the places they never had
-    budget.observe([chain.prefix(8), chain.prefix(4)], [[1, 2, 3, 4, 5], [1]], seconds=1.5)
+    budget.observe([8, 4], [[1, 2, 3, 4, 5], [1]], seconds=1.5)
     rates = budget.accepted_sums[:8] / budget.verified_sums[:8]
     assert rates[1].item() == pytest.approx(1.0)
     assert rates[2].item() == pytest.approx((0.99 * 1 + 0.5) / (0.99 * 1 + 1.0))  # both rows verified place 2
     assert rates[4].item() == pytest.approx(0.5 / (0.99 * 1 + 0.5))  # only the 8-node row verified place 4
     # a place verified on few steps is shrunk toward "never accepted" by the pseudo-misses
     shrunk = AutoBudget({1: 1.0, 16: 1.0}, explore_every=10**6, prior_misses=1.0)
-    shrunk.observe([chain.prefix(4)], [[1, 2, 3]], seconds=1.5)
+    shrunk.observe([4], [[1, 2, 3]], seconds=1.5)
     assert shrunk.expected_tokens(4) == [1, 1.5, 2, 2.5]
 
     def trained(curve: dict[int, float], depth: int, rows: int = 1, **options) -> AutoBudget:
@@ -212,7 +212,7 @@ def test_auto_budget_learns_widths_from_accepted_paths():
         16-node trees."""
         learned = AutoBudget(curve, **{"explore_every": 10**6, **options})
         for _ in range(20):
-            learned.observe([chain] * rows, [list(range(1, depth + 1))] * rows, seconds=0.1 + curve[1])
+            learned.observe([16] * rows, [list(range(1, depth + 1))] * rows, seconds=0.1 + curve[1])
         learned.until_explore = 10**6
         return learned
 
@@ -221,14 +221,14 @@ def test_auto_budget_learns_widths_from_accepted_paths():
         return budget.choose(trees)
 
     # verification nearly free (a GPU): every accepted place is worth verifying, nothing past the last
-    assert step_width(trained({1: 1.0, 16: 1.05}, depth=10), [chain]) == 11
+    assert step_width(trained({1: 1.0, 16: 1.05}, depth=10), [16]) == 11
     # ... and where a wider tree costs nothing more, the last width stays: no width beats it by the margin
-    assert step_width(trained({1: 1.0, 16: 1.0}, depth=10), [chain]) == 16
+    assert step_width(trained({1: 1.0, 16: 1.0}, depth=10), [16]) == 16
     # every extra token very costly: plain width 1
-    assert step_width(trained({1: 1.0, 2: 10.0, 16: 200.0}, depth=10), [chain]) == 1
+    assert step_width(trained({1: 1.0, 2: 10.0, 16: 200.0}, depth=10), [16]) == 1
     # a batch pays for all rows' tokens together, so each row's width shrinks as the batch grows
     curve = {1: 1.0, 4: 1.05, 8: 1.1, 16: 1.3, 32: 2.0, 64: 4.0, 128: 8.0}  # flat, then linear in total tokens
-    widths = [step_width(trained(curve, depth=12, rows=rows), [chain] * rows) for rows in (1, 2, 4, 8)]
+    widths = [step_width(trained(curve, depth=12, rows=rows), [16] * rows) for rows in (1, 2, 4, 8)]
     assert widths == sorted(widths, reverse=True) and widths[0] > widths[-1], widths
     # an ordinary step builds exactly the width it verifies; before anything is measured the step explores: it
     # builds a quarter more than the width (at least 4 nodes, at least 8 in all) and verifies all it built
@@ -237,33 +237,33 @@ def test_auto_budget_learns_widths_from_accepted_paths():
     warming = AutoBudget(curve)  # the first warmup_steps steps all explore: one step's path says little
     for _ in range(warming.warmup_steps):
         assert warming.plan() == 20 and warming.exploring
-        warming.observe([chain.prefix(warming.choose([chain]))], [[1]], seconds=2.0)
+        warming.observe([warming.choose([16])], [[1]], seconds=2.0)
     assert warming.plan() < 16 and not warming.exploring
     fresh = AutoBudget(curve, explore_every=3, warmup_steps=1)
     assert fresh.plan() == 20 and fresh.exploring
-    assert fresh.choose([chain.prefix(10)]) == 10
-    fresh.observe([chain.prefix(10)], [[1]], seconds=2.0)
-    assert step_width(fresh, [chain]) < 10 and step_width(fresh, [chain]) < 10  # steps 2 and 3: exploit
-    assert step_width(fresh, [chain]) == 16 and fresh.exploring  # step 4 explores
+    assert fresh.choose([10]) == 10
+    fresh.observe([10], [[1]], seconds=2.0)
+    assert step_width(fresh, [16]) < 10 and step_width(fresh, [16]) < 10  # steps 2 and 3: exploit
+    assert step_width(fresh, [16]) == 16 and fresh.exploring  # step 4 explores
     # explorations after which the width stays come ever further apart (up to max_explore_every); a change of
     # width brings them back to explore_every
     backoff = trained(curve, depth=12, explore_every=2, max_explore_every=8)
     backoff.last_best, backoff.until_explore = 13, 0  # settled at its width, an exploration due
     explored = []
     for _ in range(40):
-        width = step_width(backoff, [chain])
+        width = step_width(backoff, [16])
         explored.append(backoff.exploring)
-        backoff.observe([chain.prefix(width)], [list(range(1, 13))], seconds=0.1 + curve[1])
+        backoff.observe([width], [list(range(1, 13))], seconds=0.1 + curve[1])
     explored_at = [i for i, exploring in enumerate(explored) if exploring]
     gaps = [later - earlier for earlier, later in zip(explored_at, explored_at[1:])]
     assert gaps[:3] == [2, 4, 8] and set(gaps[3:]) == {8}, gaps
     assert backoff.last_best == 13
     backoff.last_best = 20  # as if the text had needed 20 until now: the width moves back to 13 ...
     backoff.until_explore = 10
-    assert step_width(backoff, [chain]) == 13 and backoff.explore_wait == 2  # ... and explorations come often
+    assert step_width(backoff, [16]) == 13 and backoff.explore_wait == 2  # ... and explorations come often
     # under tensor parallelism the shared (rank 0's) width is the one used and remembered
     shared = trained(curve, depth=12)
-    assert step_width(shared, [chain], share=lambda width: 3) == 3 and shared.last_best == 3
+    assert step_width(shared, [16], share=lambda width: 3) == 3 and shared.last_best == 3
     shared.until_explore = 0
     assert shared.plan(share=lambda width: 3) == 8  # exploring: at least 8, else a quarter more (at least 4)
     wide = trained(curve, depth=12)
@@ -271,8 +271,8 @@ def test_auto_budget_learns_widths_from_accepted_paths():
     assert wide.plan(share=lambda width: 40) == 50
     # a width forced by trees cut short (the end of a call) is used, not remembered for the next call
     wide.last_best, wide.until_explore = 40, 10
-    assert step_width(wide, [chain.prefix(6)], share=lambda width: 40) == 6 and wide.last_best == 40
-    assert step_width(wide, [chain]) < 16 and wide.last_best < 16  # an ordinary choice is remembered
+    assert step_width(wide, [6], share=lambda width: 40) == 6 and wide.last_best == 40
+    assert step_width(wide, [16]) < 16 and wide.last_best < 16  # an ordinary choice is remembered
 
 
 def test_auto_budget_costs_verification_and_drafting_as_measured_at_each_batch_size():
@@ -291,7 +291,7 @@ def test_auto_budget_costs_verification_and_drafting_as_measured_at_each_batch_s
             paths = [list(range(1, 1 + min(width - 1, (row + step) % 13))) for row in range(rows)]
             verify = verify_factor * budget.verify_cost(rows * width)
             drafting = rows * (0.005 + seconds_per_position * (width - 1))
-            budget.observe([chain.prefix(width)] * rows, paths, seconds=verify + drafting, verify_seconds=verify)
+            budget.observe([width] * rows, paths, seconds=verify + drafting, verify_seconds=verify)
         budget.until_explore = 10**6
         return budget
 

@@ -97,15 +97,15 @@ def test_trees_of_a_few_scored_depths_are_the_trees_of_every_depth(qwen3_pair):
 def test_drafted_steps_score_one_depth_past_the_recent_trees():
     from treeflash_hf.engine.decode import deepest_node
     from treeflash_hf.engine.learned import ScoredDepth
-    from treeflash_hf.engine.tree import chain_tree
+    from treeflash_hf.engine.tree import TreeBatch, chain_tree
 
     def chain(depth: int):
         return chain_tree(0, torch.zeros(depth, dtype=torch.long), torch.zeros(depth))
 
     scored = ScoredDepth(window=2)
     assert scored.depth(15) == 15  # nothing seen yet: every depth
-    assert deepest_node([chain(3), chain(1)]) == 3
-    scored.observe(deepest_node([chain(3), chain(1)]))  # a step's deepest tree counts
+    assert deepest_node(TreeBatch.pack([chain(3), chain(1)])) == 3
+    scored.observe(deepest_node(TreeBatch.pack([chain(3), chain(1)])))  # a step's deepest tree counts
     assert scored.depth(15) == 4 and scored.depth(3) == 3
     assert scored.depth(15, longest_branch=6) == 7  # a lookup branch ends above the scored depth
     scored.observe(1)

@@ -26,12 +26,22 @@ def choose_token(processed_logits: torch.Tensor, do_sample: bool) -> int:
 class Acceptance:
     """path: indices of the accepted nodes below the root, in order; tokens: the emitted tokens (the accepted
     nodes' tokens, then the bonus token); visited: the node at which each token was chosen (`[0] + path`);
-    scores: per emitted token, the processed target logits `[1, V]` it was chosen from."""
+    scores: per emitted token, the processed target logits `[1, V]` it was chosen from, or None when they are
+    row `row` of the batch's `batch_scores [R, N, V]` (sliced only when asked: `token_scores`)."""
 
     path: list[int]
     tokens: list[int]
     visited: list[int]
-    scores: list[torch.Tensor]
+    scores: list[torch.Tensor] | None = None
+    batch_scores: torch.Tensor | None = None
+    row: int = 0
+
+    def token_scores(self, index: int) -> torch.Tensor:
+        """The processed logits `[1, V]` the `index`-th emitted token was chosen from."""
+        if self.scores is not None:
+            return self.scores[index]
+        node = self.visited[index]
+        return self.batch_scores[self.row, node : node + 1]
 
 
 def row_wise_processor_types() -> tuple[type, ...]:
@@ -137,20 +147,25 @@ def sampled_accept(trees: TreeBatch, logits: torch.Tensor, processor) -> list[Ac
 def accept_choices(trees: TreeBatch, choice: torch.LongTensor, scores: torch.Tensor) -> list[Acceptance]:
     """Acceptance of every row given the target's token at every node, `choice [R, N]`: a node is accepted when
     its token is its parent's choice and its parent is accepted (siblings carry distinct tokens, so the accepted
-    nodes of a row form one path); the choice at the last accepted node is the bonus token. scores: `[R, N, V]`,
-    the logits each choice was made from (kept per emitted token)."""
-    choice = choice.cpu()
+    nodes of a row form one path, one node per depth); the choice at the last accepted node is the bonus token.
+    scores: `[R, N, V]`, the logits each choice was made from. The host reads the step's outcome once."""
+    num_rows, width = trees.tokens.shape
+    choice = choice.to(trees.tokens.device)
     parent_choice = choice.gather(1, trees.parents.clamp(min=0))
     matches = trees.valid & (trees.parents >= 0) & (trees.tokens == parent_choice)  # [R, N]
     fails = ~(matches | (trees.parents < 0))  # the root never fails; a padding node always does
     accepted = matches & ~(trees.ancestor_matrix() & fails[:, None, :]).any(dim=-1)  # [R, N]
-    order = torch.where(accepted, trees.depths, trees.width + 1).argsort(dim=1)  # accepted nodes first, by depth
-    counts = accepted.sum(dim=1).tolist()
+    accepted_len = accepted.sum(dim=1, keepdim=True)  # [R, 1]
+    # visited[r, d]: the node chosen at depth d of the path (the root at 0); past the path, the root again
+    nodes = torch.arange(width, device=choice.device).expand(num_rows, width)
+    visited = torch.zeros(num_rows, width + 1, dtype=torch.long, device=choice.device)
+    visited = visited.scatter(1, torch.where(accepted, trees.depths, width), nodes)[:, :width]
+    emitted = choice.gather(1, visited)  # each path node's choice: the next node's token, then the bonus token
+    outcome = torch.cat([accepted_len, visited, emitted], dim=1).tolist()  # [R, 1 + 2N]: the one read
     results = []
-    rows = zip(counts, order.tolist(), choice.tolist(), trees.tokens.tolist())
-    for row, (count, row_order, row_choice, row_tokens) in enumerate(rows):
-        path = row_order[:count]
-        visited = [0] + path
-        tokens = [row_tokens[node] for node in path] + [row_choice[visited[-1]]]
-        results.append(Acceptance(path, tokens, visited, [scores[row, node : node + 1] for node in visited]))
+    for row, values in enumerate(outcome):
+        count = values[0]
+        visited_row = values[1 : count + 2]
+        results.append(Acceptance(visited_row[1:], values[1 + width : count + 2 + width], visited_row,
+                                  batch_scores=scores, row=row))
     return results

@@ -192,9 +192,10 @@ class AutoBudget:
             expected.append(tokens)
         return expected
 
-    def widest(self, trees: list[DraftTree]) -> int:
-        """The widest width these rows can verify: their largest tree, within the largest measured forward."""
-        return min(max(tree.size for tree in trees), max(1, self.max_size // len(trees)))
+    def widest(self, sizes: list[int]) -> int:
+        """The widest width rows with trees of `sizes` nodes can verify: their largest tree, within the largest
+        measured forward."""
+        return min(max(sizes), max(1, self.max_size // len(sizes)))
 
     @property
     def depth_cost(self) -> float:
@@ -255,10 +256,10 @@ class AutoBudget:
         self.built = min(cap, grown if self.exploring else max(2, self.planned))
         return self.built
 
-    def choose(self, trees: list[DraftTree]) -> int:
-        """The width every row of this drafted step verifies (each row keeps the first `width` nodes of its tree):
-        the planned width, or on an exploring step the whole built tree."""
-        largest = self.widest(trees)
+    def choose(self, sizes: list[int]) -> int:
+        """The width every row of this drafted step verifies (each row keeps the first `width` nodes of its tree;
+        `sizes`: the built trees' nodes): the planned width, or on an exploring step the whole built tree."""
+        largest = self.widest(sizes)
         if self.exploring:
             self.until_explore = self.explore_wait - 1  # the explore_wait-th step from here explores again
             self.just_explored = True
@@ -274,15 +275,15 @@ class AutoBudget:
             self.last_best = width
         return width
 
-    def observe(self, trees: list[DraftTree], paths: list[list[int]], seconds: float,
+    def observe(self, sizes: list[int], paths: list[list[int]], seconds: float,
                 verify_seconds: float | None = None, drafted_depth: int | None = None) -> None:
-        """One verified drafted step: the rows' verified trees, each row's accepted path (node numbers), the
+        """One verified drafted step: the rows' verified trees' nodes, each row's accepted path (node numbers), the
         step's wall time from drafting to acceptance and, of it, the verification's (the target's forward and the
         acceptance; None: not measured apart, taken as the cost curve's figure), and the depths the drafter scored
         (None: those of the widest verified tree)."""
-        rows = len(trees)
-        sizes = torch.tensor([tree.size for tree in trees])
-        width = int(sizes.max())
+        rows = len(sizes)
+        width = max(sizes)
+        sizes = torch.tensor(sizes)
         on_paths = torch.tensor([node for path in paths for node in path], dtype=torch.long)
         accepted = torch.bincount(on_paths, minlength=width)  # rows whose accepted path holds each place
         verified = torch.bincount(sizes - 1, minlength=width).flip(0).cumsum(0).flip(0)  # rows that verified it
@@ -309,7 +310,7 @@ class AutoBudget:
         learned acceptance rates, so the width maximising `sum_rows (1 + E_n) / c(rows * n)` is used, where
         `E_n` is a row's expected accepted tokens of its first n nodes."""
         rows = len(chains)
-        width = self.widest(chains)
+        width = self.widest([chain.size for chain in chains])
         expected = torch.zeros(width, dtype=torch.float64)
         for chain in chains:
             sums = chain.path_log_probs[1:width].double().exp().cumsum(0)

@@ -91,21 +91,27 @@ def _gather_slots(tensor: torch.Tensor, slots: torch.LongTensor) -> torch.Tensor
     return tensor.gather(2, index)
 
 
-def compact_cache(cache, past_len: int, kept_nodes: torch.LongTensor) -> None:
+def compact_cache(cache, past_len: int, kept_nodes: torch.LongTensor, contiguous: bool | None = None) -> None:
     """The cache holds `past_len` slots followed by each row's `N` tree nodes. Keep the past, then row r's nodes
     `kept_nodes[r]` (`[R, K]`, tree indices, root first; a row that keeps fewer repeats its last node, which the
     caller marks invalid), in that order; drop the rest. In place, exact: a node's K/V under the tree mask equal
-    its K/V on the linear path. Each layer is compacted on its own device."""
+    its K/V on the linear path. Each layer is compacted on its own device. `contiguous`: whether every row keeps
+    nodes `0..K-1` (None: read from `kept_nodes`)."""
     num_kept = kept_nodes.shape[1]
-    contiguous = bool((kept_nodes == torch.arange(num_kept)).all())
+    if contiguous is None:
+        contiguous = bool((kept_nodes == torch.arange(num_kept)).all())
     if contiguous and cache.get_seq_length() == past_len + num_kept:
         return  # every row kept the whole verified chain (a plain step, or every drafted token accepted)
+    indices: dict = {}  # per (device, shape): the gather index, made once for every layer alike
     for layer in cache.layers:
         if not contiguous:
-            layer.keys[..., past_len : past_len + num_kept, :] = _gather_slots(layer.keys[..., past_len:, :],
-                                                                               kept_nodes)
-            layer.values[..., past_len : past_len + num_kept, :] = _gather_slots(layer.values[..., past_len:, :],
-                                                                                 kept_nodes)
+            for name in ("keys", "values"):
+                tensor = getattr(layer, name)
+                key = (tensor.device, tensor.shape[1], tensor.shape[3])
+                if key not in indices:
+                    indices[key] = kept_nodes.to(tensor.device)[:, None, :, None].expand(
+                        -1, tensor.shape[1], -1, tensor.shape[3])
+                tensor[..., past_len : past_len + num_kept, :] = tensor[..., past_len:, :].gather(2, indices[key])
         layer.keys = layer.keys[..., : past_len + num_kept, :]
         layer.values = layer.values[..., : past_len + num_kept, :]
 
@@ -146,15 +152,17 @@ def append_rows(cache, key_valid: torch.BoolTensor | None, others: list[tuple]) 
     return None if bool(valid.all()) else valid
 
 
-def repack(cache, key_valid: torch.BoolTensor | None, max_invalid_fraction: float = 0.25):
+def repack(cache, key_valid: torch.BoolTensor | None, max_invalid_fraction: float = 0.25,
+           valid_counts: list[int] | None = None):
     """When moving each row's valid slots to the front (in their order) would cut the cache, now as long as its
     longest row's valid slots, by more than `max_invalid_fraction` of its length, do it. Returns the new
     `key_valid` (None when every slot is valid again). Invalid slots that re-packing cannot remove (the rows'
-    lengths differ) do not trigger it: they would make every step pay a full-cache copy for nothing."""
+    lengths differ) do not trigger it: they would make every step pay a full-cache copy for nothing.
+    `valid_counts`: each row's number of valid slots, when the caller keeps them on the host (None: read)."""
     if key_valid is None:
         return None
     length = key_valid.shape[1]
-    new_length = int(key_valid.sum(dim=1).max())
+    new_length = max(valid_counts) if valid_counts else int(key_valid.sum(dim=1).max())
     if length - new_length <= max_invalid_fraction * length:
         return key_valid
     # stable order per row: valid slots first
@@ -164,4 +172,5 @@ def repack(cache, key_valid: torch.BoolTensor | None, max_invalid_fraction: floa
         if layer.keys is not None and layer.keys.shape[-2] == length:
             layer.keys, layer.values = _gather_slots(layer.keys, slots), _gather_slots(layer.values, slots)
     new_valid = key_valid.gather(1, slots)
-    return None if bool(new_valid.all()) else new_valid
+    all_valid = min(valid_counts) == new_length if valid_counts else bool(new_valid.all())
+    return None if all_valid else new_valid

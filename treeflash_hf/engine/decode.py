@@ -96,43 +96,51 @@ class TreeFlashGenerateOutput(GenerateDecoderOnlyOutput):
 
 class Rows:
     """The working batch: the state of the rows still decoding, in batch order. Rows that finish leave it
-    (`leave`), and every batched tensor (caches, masks, pending context) is narrowed with them.
+    (`leave`), and every batched tensor (caches, masks, pending context) is narrowed with them. What the host
+    decides from (token ids, lengths) is kept on the host, so that a step reads the device once.
 
-    ids: row identities (original row indices; under continuous batching, request numbers); sequences: per row
-    `[1, S + new]` (the padded prompt, then its new tokens); pads: left padding per row; limits: per row the longest
-    its sequence may grow (padding included); root_tokens: per row the committed token the next step verifies first
-    (not yet run by the target); root_positions: `[R]` its position (the row's own count of real tokens before it);
-    key_valid: `[R, L]` the target-cache slots each row may attend (None: all); pending: the context features the
-    drafter has not seen yet (`DraftContext`), joined with each step's kept positions until the next draft."""
+    ids: row identities (original row indices; under continuous batching, request numbers); token_ids: per row
+    the padded prompt, then its new tokens (host lists; `sequence(row)` is one as a tensor); pads: left padding
+    per row; limits: per row the longest its sequence may grow (padding included); root_tokens: per row the
+    committed token the next step verifies first (not yet run by the target); root_positions: `[R]` its position
+    (the row's own count of real tokens before it), and `lengths` the same on the host; drafted_lengths: per row
+    the real tokens the drafter's cache holds (valid slots: `lengths` at the last draft); key_valid: `[R, L]` the
+    target-cache slots each row may attend (None: all); pending: the context features the drafter has not seen yet
+    (`DraftContext`), joined with each step's kept positions until the next draft."""
 
     def __init__(self, input_ids: torch.LongTensor, key_valid: torch.BoolTensor | None,
                  root_positions: torch.LongTensor, pending: DraftContext, limits: list[int],
                  ids: list[int] | None = None):
         self.ids = list(range(input_ids.shape[0])) if ids is None else list(ids)
-        self.sequences = [input_ids[row : row + 1] for row in range(input_ids.shape[0])]
+        self.device = input_ids.device
+        self.token_ids: list[list[int]] = input_ids.tolist()
         self.pads = [0] * len(self.ids) if key_valid is None else (~key_valid).sum(dim=1).tolist()
         self.limits = list(limits)
         self.root_tokens: list[int] = []
         self.root_positions = root_positions
+        self.lengths: list[int] = root_positions.tolist()
+        self.drafted_lengths = [0] * len(self.ids)
         self.key_valid = key_valid
         self.pending: DraftContext | None = pending
 
     def __len__(self) -> int:
         return len(self.ids)
 
-    def leave(self, finished: list[bool], cache, generator: TreeDrafter) -> dict[int, torch.Tensor]:
-        """Drop the finished rows from the batch and from both caches; returns their sequences by original id."""
-        done = {self.ids[row]: self.sequences[row][0] for row, flag in enumerate(finished) if flag}
+    def sequence(self, row: int) -> torch.LongTensor:
+        """Row `row`'s tokens so far as `[1, S]` (for logits processors and stopping criteria that read them)."""
+        return torch.tensor([self.token_ids[row]], dtype=torch.long, device=self.device)
+
+    def leave(self, finished: list[bool], cache, generator: TreeDrafter) -> dict[int, list[int]]:
+        """Drop the finished rows from the batch and from both caches; returns their token ids by original id."""
+        done = {self.ids[row]: self.token_ids[row] for row, flag in enumerate(finished) if flag}
         keep = [row for row, flag in enumerate(finished) if not flag]
         if keep and done:
             index = torch.tensor(keep)
             select_rows(cache, index)
             generator.select_rows(index)
-            self.ids = [self.ids[i] for i in keep]
-            self.sequences = [self.sequences[i] for i in keep]
-            self.pads = [self.pads[i] for i in keep]
-            self.limits = [self.limits[i] for i in keep]
-            self.root_tokens = [self.root_tokens[i] for i in keep]
+            for name in ("ids", "token_ids", "pads", "limits", "root_tokens", "lengths", "drafted_lengths"):
+                values = getattr(self, name)
+                setattr(self, name, [values[i] for i in keep])
             self.root_positions = self.root_positions[index]
             self.key_valid = None if self.key_valid is None else self.key_valid[index]
             pending = self.pending
@@ -154,44 +162,48 @@ class Rows:
         generator.add_rows(sum(len(new) for new, _ in newcomers))
         self.pending = stack_contexts([rows.pending for rows, _ in groups])
         for new, _ in newcomers:
-            self.ids += new.ids
-            self.sequences += new.sequences
-            self.pads += new.pads
-            self.limits += new.limits
-            self.root_tokens += new.root_tokens
+            for name in ("ids", "token_ids", "pads", "limits", "root_tokens", "lengths", "drafted_lengths"):
+                getattr(self, name).extend(getattr(new, name))
         self.root_positions = torch.cat([rows.root_positions for rows, _ in groups])
 
     @traced(COMMIT)
-    def commit(self, accepted: list[Acceptance], trees: TreeBatch, hidden_states: tuple, cache, past_len: int,
+    def commit(self, accepted: list[Acceptance], hidden_states: tuple, cache, past_len: int,
                generator: TreeDrafter) -> None:
         """Commit: each row keeps its root and accepted nodes in the target cache (one row-wise gather; a row that
-        keeps fewer marks its extra slots invalid) and queues their context features for the drafter."""
-        kept_counts = [1 + len(result.path) for result in accepted]
+        keeps fewer marks its extra slots invalid) and queues their context features for the drafter. Every
+        decision is taken on the host's copy of the step's outcome."""
+        kept_counts = [len(result.visited) for result in accepted]
         num_kept = max(kept_counts)
-        kept_nodes = torch.tensor([[0] + result.path + [result.path[-1] if result.path else 0] * (num_kept - count)
-                                   for result, count in zip(accepted, kept_counts)])  # [R, K], padded
-        kept_valid = torch.arange(num_kept)[None] < torch.tensor(kept_counts)[:, None]  # [R, K]
-        compact_cache(cache, past_len, kept_nodes)
-        if self.key_valid is not None or not bool(kept_valid.all()):
-            self.key_valid = torch.cat([valid_or_all(self.key_valid, len(self), past_len), kept_valid], dim=1)
+        all_kept = min(kept_counts) == num_kept
+        # a row that keeps fewer repeats its last node (that slot is marked invalid)
+        kept_nodes = [result.visited + result.visited[-1:] * (num_kept - count)
+                      for result, count in zip(accepted, kept_counts)]
+        contiguous = all(nodes == list(range(num_kept)) for nodes in kept_nodes)
+        kept_nodes = torch.tensor(kept_nodes)  # [R, K]
+        compact_cache(cache, past_len, kept_nodes, contiguous)
+        kept_valid = None if all_kept else torch.arange(num_kept)[None] < torch.tensor(kept_counts)[:, None]
+        if self.key_valid is not None or not all_kept:
+            self.key_valid = torch.cat([valid_or_all(self.key_valid, len(self), past_len),
+                                        valid_or_all(kept_valid, len(self), num_kept)], dim=1)
+        # the kept nodes are the path, one per depth: their positions follow the root's
         kept = DraftContext(generator.context_features(hidden_states, kept_nodes),
-                            self.root_positions[:, None] + trees.depths.gather(1, kept_nodes),
-                            None if bool(kept_valid.all()) else kept_valid)
+                            self.root_positions[:, None] + torch.arange(num_kept), kept_valid)
         self.pending = kept if self.pending is None else join_contexts(self.pending, kept)
         self.root_positions = self.root_positions + torch.tensor(kept_counts)
+        self.lengths = [length + count for length, count in zip(self.lengths, kept_counts)]
         self.root_tokens = [result.tokens[-1] for result in accepted]
-        self.key_valid = repack(cache, self.key_valid)
-        generator.repack()
+        self.key_valid = repack(cache, self.key_valid, valid_counts=self.lengths)
+        generator.repack(valid_counts=self.drafted_lengths)
 
 
 @dataclass
 class StepPlan:
-    """What one step verifies. kind: `"draft"`, `"lookup"` or `"plain"` (see `lookup.StepScheduler`); trees: one per
-    row; branches / ngrams / branch_expected: each row's lookup branch (tokens, log-probs), its n-gram order and its
+    """What one step verifies. kind: `"draft"`, `"lookup"` or `"plain"` (see `lookup.StepScheduler`); trees: every
+    row's tree (`TreeBatch`); branches / ngrams / branch_expected: each row's lookup branch (tokens, log-probs), its n-gram order and its
     expected accepted tokens (None: no branch)."""
 
     kind: str
-    trees: list
+    trees: TreeBatch | None
     branches: list[tuple[list[int], list[float]]]
     ngrams: list[int]
     branch_expected: list[float | None]
@@ -202,8 +214,9 @@ def lookup_branches(rows: Rows, lookup_rates, lengths: list[int]):
     """Per row, the lookup branch `(tokens, log_probs)` of at most `lengths[r]` tokens (empty when the row's text
     has no match) and its n-gram order, cut where its path probability falls below `MIN_PATH_PROB`."""
     branches, orders = [], []
-    for sequence, pad, length in zip(rows.sequences, rows.pads, lengths):
-        tokens, ngram = ngram_continuation(sequence[0, pad:], MAX_NGRAM, length) if length > 0 else ([], 0)
+    for token_ids, pad, length in zip(rows.token_ids, rows.pads, lengths):
+        tokens, ngram = (ngram_continuation(torch.tensor(token_ids[pad:]), MAX_NGRAM, length) if length > 0
+                         else ([], 0))
         log_probs = lookup_rates.log_probs(ngram, len(tokens)) if tokens else []
         keep = useful_length(log_probs, MIN_PATH_PROB) if tokens else 0
         branches.append((tokens[:keep], log_probs[:keep]))
@@ -211,9 +224,9 @@ def lookup_branches(rows: Rows, lookup_rates, lengths: list[int]):
     return branches, orders
 
 
-def deepest_node(trees: list) -> int:
-    """The depth of the deepest node of any of `trees`."""
-    return int(torch.cat([tree.depths for tree in trees]).max())  # (one read for every row)
+def deepest_node(trees: TreeBatch) -> int:
+    """The depth of the deepest node of any row's tree (one read for every row)."""
+    return int(trees.depths.max())
 
 
 def plan_step(rows: Rows, options: TreeOptions, learned, generator: TreeDrafter,
@@ -222,7 +235,7 @@ def plan_step(rows: Rows, options: TreeOptions, learned, generator: TreeDrafter,
     forward and each row's tree; under `tree_budget="auto"`, the width every row verifies."""
     auto_budget, schedule = learned.auto_budget, learned.schedule
     num_rows = len(rows)
-    remaining = [limit - sequence.shape[1] for limit, sequence in zip(rows.limits, rows.sequences)]
+    remaining = [limit - len(token_ids) for limit, token_ids in zip(rows.limits, rows.token_ids)]
     # the budget counts the root; under "auto" a branch verified alone may fill the largest measured forward
     lookup_cap = options.tree_budget if auto_budget is None else max(1, auto_budget.max_size // num_rows)
     lookup_lengths = [min(options.tree_lookup, left - 1, lookup_cap - 1) for left in remaining]
@@ -241,17 +254,18 @@ def plan_step(rows: Rows, options: TreeOptions, learned, generator: TreeDrafter,
         budget = auto_budget.plan(num_rows, share=sync.share_int, may_explore=not sync.share_int(schedule.explored),
                                   depth_cap=learned.scored_depth.depth(generator.block_size - 1) if lazy_depths
                                   else None)
-    plan = StepPlan(kind, [], branches, ngrams, branch_expected)
+    plan = StepPlan(kind, None, branches, ngrams, branch_expected)
     if kind == "plain":  # the roots alone; the drafter catches up with its next draft
-        plan.trees = [root_tree(token) for token in rows.root_tokens]
+        plan.trees = TreeBatch.roots(torch.tensor(rows.root_tokens))
     elif kind == "lookup":  # the lookup branches alone; likewise
-        plan.trees = [chain_tree(token, torch.tensor(tokens, dtype=torch.long), torch.tensor(log_probs))
-                      for token, (tokens, log_probs) in zip(rows.root_tokens, branches)]
+        trees = [chain_tree(token, torch.tensor(tokens, dtype=torch.long), torch.tensor(log_probs))
+                 for token, (tokens, log_probs) in zip(rows.root_tokens, branches)]
         if auto_budget is not None:
-            width = auto_budget.choose_lookup(plan.trees, share=sync.share_int)
-            plan.trees = [tree.prefix(min(width, tree.size)) for tree in plan.trees]
+            width = auto_budget.choose_lookup(trees, share=sync.share_int)
+            trees = [tree.prefix(min(width, tree.size)) for tree in trees]
+        plan.trees = TreeBatch.pack(trees, chains=True)
     else:
-        prev_tokens = torch.stack([sequence[0, -2] for sequence in rows.sequences]).tolist()
+        prev_tokens = [token_ids[-2] for token_ids in rows.token_ids]
         capped = [(tokens[: budget - 1], log_probs[: budget - 1]) if tokens else None
                   for tokens, log_probs in branches]
         depth_limit = min(max(remaining), budget) - 1
@@ -260,6 +274,7 @@ def plan_step(rows: Rows, options: TreeOptions, learned, generator: TreeDrafter,
         blocks = generator.draft(rows.root_tokens, rows.root_positions, rows.pending, max_depth=depth_limit,
                                  prev_tokens=prev_tokens, scored_depth=scored)
         rows.pending = None
+        rows.drafted_lengths = list(rows.lengths)  # the drafter's cache now holds every committed token
         plan.trees = generator.build_trees(blocks, budget, capped)
         deepest = deepest_node(plan.trees)
         if generator.search_stopped_at_scored_depth(blocks, deepest):
@@ -269,8 +284,7 @@ def plan_step(rows: Rows, options: TreeOptions, learned, generator: TreeDrafter,
         learned.scored_depth.observe(deepest)
         plan.drafted_depth = blocks[0].depth
         if auto_budget is not None:
-            width = auto_budget.choose(plan.trees)
-            plan.trees = [tree.prefix(min(width, tree.size)) for tree in plan.trees]
+            plan.trees = plan.trees.prefix(auto_budget.choose(plan.trees.size_list()))
     return plan
 
 
@@ -287,7 +301,7 @@ def accept_all(trees: TreeBatch, logits: torch.Tensor, rows: Rows, process: RowP
     accepted = [
         walk_tree(tree, logits[row, : tree.size], sequence,
                   functools.partial(process, row_id) if len(process) else None, do_sample)
-        for row, (tree, sequence, row_id) in enumerate(zip(trees.trees, rows.sequences, rows.ids))
+        for row, (tree, row_id) in enumerate(zip(trees.trees, rows.ids)) for sequence in [rows.sequence(row)]
     ]
     if do_sample and sync.active:
         paths = sync.share_token_lists([a.path for a in accepted])
@@ -309,7 +323,7 @@ def learn_from_step(learned, plan: StepPlan, accepted: list[Acceptance], seconds
     accepted_lengths = [len(result.path) for result in accepted]
     learned.schedule.observe(plan.kind, seconds, accepted_lengths, plan.branch_expected)
     if learned.auto_budget is not None and plan.kind == "draft":
-        learned.auto_budget.observe(plan.trees, [result.path for result in accepted], seconds, verify_seconds,
+        learned.auto_budget.observe(plan.trees.size_list(), [result.path for result in accepted], seconds, verify_seconds,
                                     plan.drafted_depth)
 
 
@@ -319,7 +333,6 @@ class StepResult:
     verified logits `[R, N, V]`, the target's hidden states and the cache length before the step."""
 
     plan: StepPlan
-    trees: TreeBatch
     accepted: list[Acceptance]
     logits: torch.Tensor
     hidden_states: tuple
@@ -367,7 +380,7 @@ class Decoder:
         the accepted tokens and then commits the caches (`rows.commit`)."""
         started = time.perf_counter()
         plan = plan_step(rows, self.options, self.learned, self.generator, self.sync)
-        trees = TreeBatch.pack(plan.trees)
+        trees = plan.trees
         past_len = cache.get_seq_length()
         verify_started = time.perf_counter()
         logits, hidden_states = verify_trees(self.target, trees, cache, rows.root_positions, rows.key_valid,
@@ -375,28 +388,36 @@ class Decoder:
         accepted = accept_all(trees, logits, rows, self.process, self.do_sample, self.sync)  # (waits for logits)
         ended = time.perf_counter()
         learn_from_step(self.learned, plan, accepted, ended - started, ended - verify_started)
-        return StepResult(plan, trees, accepted, logits, hidden_states, past_len)
+        return StepResult(plan, accepted, logits, hidden_states, past_len)
 
     def commit(self, rows: Rows, result: StepResult, cache) -> None:
         """Commit: each row keeps its accepted path in both caches."""
-        rows.commit(result.accepted, result.trees, result.hidden_states, cache, result.past_len, self.generator)
+        rows.commit(result.accepted, result.hidden_states, cache, result.past_len, self.generator)
 
-    def advance(self, rows: Rows, cache, emit: Callable[[int, int, torch.Tensor, torch.Tensor], bool]
-                ) -> tuple[StepResult, list[bool]]:
+    def advance(self, rows: Rows, cache, emit: Callable[[int, int, Callable], bool]) -> tuple[StepResult, list[bool]]:
         """One decode step of the working batch, the loop body of every caller: `step`, then each row's accepted
-        tokens go to `emit(row, token, token_scores [1, V], token_logits [1, V]) -> stop` in order until one stops
-        that row (nothing is emitted past a stop), then `commit` for the rows that go on. Returns the step and which
-        rows finished (the caller lets them leave)."""
+        tokens go to `emit(row, token, scores_of) -> stop` in order until one stops that row (nothing is emitted
+        past a stop), then `commit` for the rows that go on. `scores_of()` gives the token's processed scores and
+        raw logits, `[1, V]` each (sliced only when asked). Returns the step and which rows finished (the caller lets
+        them leave)."""
         step = self.step(rows, cache)
         finished = [False] * len(rows)
         for row, result in enumerate(step.accepted):
-            for token, token_scores, node in zip(result.tokens, result.scores, result.visited):
-                if emit(row, token, token_scores, step.logits[row, node : node + 1]):
+            for index, token in enumerate(result.tokens):
+                if emit(row, token, functools.partial(token_scores, step, row, index)):
                     finished[row] = True
                     break
         if not all(finished):
             self.commit(rows, step, cache)
         return step, finished
+
+
+def token_scores(step: StepResult, row: int, index: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """The processed scores and raw logits, `[1, V]` each, that the `index`-th token of working row `row` in `step`
+    was chosen from."""
+    result = step.accepted[row]
+    node = result.visited[index]
+    return result.token_scores(index), step.logits[row, node : node + 1]
 
 
 @dataclass(frozen=True)
@@ -426,18 +447,35 @@ class TokenStops:
         return token in self.end_tokens or (self.max_length is not None and length >= self.max_length)
 
 
-def record_step(stats: list[TreeFlashStats], rows: Rows, step: StepResult) -> None:
-    """Append one verification step of every working row to its row's statistics (`stats`: per original row)."""
-    trees = step.plan.trees
-    path_log_probs = torch.nn.utils.rnn.pad_sequence([tree.path_log_probs[1:] for tree in trees], batch_first=True,
-                                                     padding_value=float("-inf"))
-    expected = path_log_probs.exp().sum(dim=1).tolist()  # the drafter's own estimate, every row in one read
-    for row_id, tree, result, estimate in zip(rows.ids, trees, step.accepted, expected):
-        row_stats = stats[row_id]
-        row_stats.accepted_lengths.append(len(result.path))
-        row_stats.tree_sizes.append(tree.size)
-        row_stats.expected_accepted_lengths.append(estimate)
-        row_stats.step_kinds.append(step.plan.kind)
+class StepRecorder:
+    """Per original row, the statistics of every verification step (`TreeFlashStats`). What the host has (accepted
+    lengths, step kinds) is appended at once; what lives on the device (tree sizes, the drafter's estimate) is kept
+    as tensors and read once, by `finish`."""
+
+    def __init__(self, batch_size: int):
+        self.stats = [TreeFlashStats() for _ in range(batch_size)]
+        self.on_device: list[tuple[list[int], torch.Tensor]] = []  # (row ids, [2, R]: sizes, estimates)
+
+    def record(self, rows: Rows, step: StepResult) -> None:
+        """One verification step of every working row."""
+        trees = step.plan.trees
+        estimate = trees.path_log_probs[:, 1:].exp().sum(dim=1)  # the drafter's own estimate (padding: exp(-inf))
+        self.on_device.append((list(rows.ids), torch.stack([trees.sizes().to(estimate.dtype), estimate])))
+        for row_id, result in zip(rows.ids, step.accepted):
+            row_stats = self.stats[row_id]
+            row_stats.accepted_lengths.append(len(result.path))
+            row_stats.step_kinds.append(step.plan.kind)
+
+    def finish(self) -> list[TreeFlashStats]:
+        if self.on_device:
+            values = torch.cat([t.cpu() for _, t in self.on_device], dim=1).tolist()  # the one read
+            sizes, estimates = iter(values[0]), iter(values[1])
+            for ids, _ in self.on_device:
+                for row_id in ids:
+                    self.stats[row_id].tree_sizes.append(int(next(sizes)))
+                    self.stats[row_id].expected_accepted_lengths.append(next(estimates))
+            self.on_device = []
+        return self.stats
 
 
 @torch.no_grad()
@@ -501,41 +539,46 @@ def treeflash_decode(
     else:
         first_tokens = processed.argmax(dim=-1).tolist()
 
-    stats = [TreeFlashStats() for _ in range(batch_size)]
+    recorder = StepRecorder(batch_size)
     scores: list[list[torch.Tensor]] = [[] for _ in range(batch_size)]
     raw_logits: list[list[torch.Tensor]] = [[] for _ in range(batch_size)]
-    results: dict[int, torch.LongTensor] = {}
+    results: dict[int, list[int]] = {}
     token_stops = TokenStops.of(stopping_criteria)
 
-    def emit(row: int, token: int, token_scores: torch.Tensor, token_raw: torch.Tensor) -> bool:
-        """Commit one token to working row `row`; True when that row must stop."""
-        sequence = torch.cat([rows.sequences[row], rows.sequences[row].new_tensor([[token]])], dim=-1)
-        rows.sequences[row] = sequence
-        if keep_scores:
-            scores[rows.ids[row]].append(token_scores)
-        if keep_logits:
-            raw_logits[rows.ids[row]].append(token_raw)
+    def emit(row: int, token: int, scores_of: Callable[[], tuple[torch.Tensor, torch.Tensor]]) -> bool:
+        """Commit one token to working row `row`; True when that row must stop. `scores_of()`: the processed scores
+        and raw logits `[1, V]` it was chosen from."""
+        token_ids = rows.token_ids[row]
+        token_ids.append(token)
+        if keep_scores or keep_logits:
+            token_scores, token_raw = scores_of()
+            if keep_scores:
+                scores[rows.ids[row]].append(token_scores)
+            if keep_logits:
+                raw_logits[rows.ids[row]].append(token_raw)
         if streamer is not None:
             streamer.put(torch.tensor([token]))
         if token_stops is not None:
-            return token_stops.stops(token, sequence.shape[1])
-        return bool(stopping_criteria(sequence, token_scores).any())
+            return token_stops.stops(token, len(token_ids))
+        return bool(stopping_criteria(rows.sequence(row), scores_of()[0]).any())
 
-    finished = [emit(row, token, processed[row : row + 1], raw[row : row + 1]) for row, token in enumerate(first_tokens)]
+    finished = [emit(row, token, lambda row=row: (processed[row : row + 1], raw[row : row + 1]))
+                for row, token in enumerate(first_tokens)]
     rows.root_tokens = first_tokens
     while True:
         results.update(rows.leave(finished, cache, generator))
         if not len(rows):
             break
         step, finished = decoder.advance(rows, cache, emit)
-        record_step(stats, rows, step)
+        recorder.record(rows, step)
 
     if streamer is not None:
         streamer.end()
-    width = max(sequence.shape[0] for sequence in results.values())
+    width = max(len(token_ids) for token_ids in results.values())
     pad = generation_config.pad_token_id or 0  # (a batch has one; a single row is never padded)
-    sequences = torch.stack([torch.cat([results[row], results[row].new_full((width - results[row].shape[0],), pad)])
-                             for row in range(batch_size)])
+    sequences = torch.tensor([results[row] + [pad] * (width - len(results[row])) for row in range(batch_size)],
+                             dtype=torch.long, device=input_ids.device)
+    stats = recorder.finish()
     if not return_dict:
         return sequences
     pooled = TreeFlashStats.pooled(stats)

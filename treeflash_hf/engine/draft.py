@@ -20,7 +20,7 @@ from .cache import drafter_cache, repack, select_rows, valid_or_all
 from .lookup import with_lookup_branch
 from .options import TreeOptions
 from .trace import DRAFT, DRAFTER_FORWARD, TREE, record_function, traced
-from .tree import ChildList, DraftTree, best_first_tree, best_first_trees, chain_tree, table_children
+from .tree import ChildList, DraftTree, TreeBatch, best_first_tree, best_first_trees, chain_tree, table_children
 from .validation import TreeFlashInputError
 from .verify import same_logits
 
@@ -436,17 +436,10 @@ class TreeDrafter:
         marginal_log_probs, shortlists = self.marginals(out.last_hidden_state[:, 1 : scored + 1])
         unscored = out.last_hidden_state[:, scored + 1 : depth + 1] if scored < depth else None  # [R, D'-D, H]
         prev_tokens = prev_tokens or [-1] * num_rows
-        return [
-            BlockDraft(
-                anchor_token=anchor_tokens[row],
-                prev_token=prev_tokens[row],
-                pre_norm_hidden=out.pre_norm_hidden_state[row, : depth + 1],
-                marginal_log_probs=marginal_log_probs[row],
-                shortlist=None if shortlists is None else shortlists[row],
-                unscored_hidden=None if unscored is None else unscored[row],
-            )
-            for row in range(num_rows)
-        ]
+        rows = zip(anchor_tokens, prev_tokens, out.pre_norm_hidden_state[:, : depth + 1].unbind(),
+                   marginal_log_probs.unbind(), shortlists or [None] * num_rows,
+                   [None] * num_rows if unscored is None else unscored.unbind())
+        return [BlockDraft(*row) for row in rows]
 
     def marginals(self, hidden: torch.Tensor) -> tuple[torch.Tensor, list[Shortlist] | None]:
         """Normed drafter outputs `[R, D, H]` -> the marginals' log-probs `[R, D, V']` (columns: the draft
@@ -460,11 +453,16 @@ class TreeDrafter:
         if blocks[0].unscored_hidden is None:
             return
         marginal_log_probs, shortlists = self.marginals(torch.stack([block.unscored_hidden for block in blocks]))
-        for row, block in enumerate(blocks):
-            block.marginal_log_probs = torch.cat([block.marginal_log_probs, marginal_log_probs[row]])
-            if block.shortlist is not None and shortlists is not None:
-                block.shortlist = Shortlist(torch.cat([block.shortlist.tokens, shortlists[row].tokens]),
-                                            torch.cat([block.shortlist.log_mass, shortlists[row].log_mass]))
+        joined = torch.cat([torch.stack([block.marginal_log_probs for block in blocks]), marginal_log_probs], dim=1)
+        if shortlists is not None and blocks[0].shortlist is not None:
+            tokens = torch.cat([torch.stack([block.shortlist.tokens for block in blocks]),
+                                torch.stack([shortlist.tokens for shortlist in shortlists])], dim=1)
+            log_mass = torch.cat([torch.stack([block.shortlist.log_mass for block in blocks]),
+                                  torch.stack([shortlist.log_mass for shortlist in shortlists])], dim=1)
+            for block, row_tokens, row_mass in zip(blocks, tokens.unbind(), log_mass.unbind()):
+                block.shortlist = Shortlist(row_tokens, row_mass)
+        for block, row_log_probs in zip(blocks, joined.unbind()):
+            block.marginal_log_probs = row_log_probs
             block.unscored_hidden = None
 
     @staticmethod
@@ -482,7 +480,8 @@ class TreeDrafter:
             return None
         top = marginal_log_probs.topk(size, dim=-1)  # [R, D, C], sorted
         log_mass = torch.logsumexp(top.values, dim=-1)  # [R, D]
-        return [Shortlist(tokens, mass) for tokens, mass in zip(self.column_tokens(top.indices), log_mass)]
+        return [Shortlist(tokens, mass) for tokens, mass in zip(self.column_tokens(top.indices).unbind(),
+                                                                log_mass.unbind())]
 
     def select_rows(self, row_index: torch.LongTensor) -> None:
         """Keep only the rows `row_index` of the drafter cache (finished rows leave the batch)."""
@@ -510,9 +509,10 @@ class TreeDrafter:
         self.cache = drafter_cache(self.drafter.config)
         self.key_valid = None
 
-    def repack(self) -> None:
-        """Re-pack the drafter cache when invalid slots pile up (see `cache.repack`)."""
-        self.key_valid = repack(self.cache, self.key_valid)
+    def repack(self, valid_counts: list[int] | None = None) -> None:
+        """Re-pack the drafter cache when invalid slots pile up (see `cache.repack`; `valid_counts`: each row's
+        valid slots, kept by the caller)."""
+        self.key_valid = repack(self.cache, self.key_valid, valid_counts=valid_counts)
 
     def top_tokens(self, block: BlockDraft) -> torch.LongTensor:
         """Stage 1: `S_d`, the top-M tokens of each marginal, `[D, M]` for depths 1..D."""
@@ -520,6 +520,14 @@ class TreeDrafter:
         if block.shortlist is not None and block.shortlist.tokens.shape[-1] >= top_m:
             return block.shortlist.tokens[:, :top_m]
         return self.column_tokens(block.marginal_log_probs.topk(top_m, dim=-1).indices)
+
+    def top_tokens_of_rows(self, blocks: list[BlockDraft]) -> torch.LongTensor:
+        """`top_tokens` of every row at once, `[R, D, M]` (rows of one draft: the same depths)."""
+        top_m = min(self.options.tree_top_m, blocks[0].marginal_log_probs.shape[-1])
+        if blocks[0].shortlist is not None and blocks[0].shortlist.tokens.shape[-1] >= top_m:
+            return torch.stack([block.shortlist.tokens for block in blocks])[..., :top_m]
+        marginals = torch.stack([block.marginal_log_probs for block in blocks])
+        return self.column_tokens(marginals.topk(top_m, dim=-1).indices)
 
     def score_rows(self, corrected: torch.Tensor, shortlist_tokens: torch.LongTensor | None,
                    log_mass: torch.Tensor | None) -> tuple[torch.LongTensor, torch.Tensor]:
@@ -564,12 +572,12 @@ class TreeDrafter:
         `child_tokens`, `child_log_probs` `[R, D', M, K]` and the parents' tokens `[R, D', M]` (row 0: the anchor)."""
         device = self.device
         num_rows = len(blocks)
-        top = torch.stack([self.top_tokens(block)[: max_depth - 1] for block in blocks])  # [R, D'-1, M]
+        top = self.top_tokens_of_rows(blocks)[:, : max_depth - 1]  # [R, D'-1, M]
         top_m = top.shape[-1]
         anchors = torch.tensor([block.anchor_token for block in blocks], device=device)
         parents = torch.cat([anchors[:, None, None].expand(num_rows, 1, top_m), top.to(device)], dim=1)  # [R, D', M]
         parent_depths = torch.arange(max_depth, device=device)[None, :, None].expand(num_rows, -1, top_m)
-        hidden = torch.stack([block.pre_norm_hidden[1 : max_depth + 1] for block in blocks])  # [R, D', H]
+        hidden = torch.stack([block.pre_norm_hidden for block in blocks])[:, 1 : max_depth + 1]  # [R, D', H]
         corrected = self.drafter.ar_corrected_hidden_states(
             hidden[:, :, None].expand(-1, -1, top_m, -1), self.embed(parents),
             self.prev2_embeddings(blocks, parent_depths),
@@ -577,8 +585,8 @@ class TreeDrafter:
         if blocks[0].shortlist is None:
             child_tokens, child_log_probs = self.score_rows(corrected, None, None)
         else:
-            shortlist = torch.stack([block.shortlist.tokens[:max_depth] for block in blocks])  # [R, D', C]
-            log_mass = torch.stack([block.shortlist.log_mass[:max_depth] for block in blocks])  # [R, D']
+            shortlist = torch.stack([block.shortlist.tokens for block in blocks])[:, :max_depth]  # [R, D', C]
+            log_mass = torch.stack([block.shortlist.log_mass for block in blocks])[:, :max_depth]  # [R, D']
             child_tokens, child_log_probs = self.score_rows(corrected, shortlist, log_mass)
         return child_tokens, child_log_probs, parents
 
@@ -605,21 +613,22 @@ class TreeDrafter:
     def build_tree(self, block: BlockDraft, budget: int, lookup: tuple[list[int], list[float]] | None = None,
                    max_depth: int | None = None) -> DraftTree:
         """One row's tree (see `build_trees`)."""
-        return self.build_trees([block], budget, [lookup], max_depth)[0]
+        return self.build_trees([block], budget, [lookup], max_depth).trees[0]
 
     @traced(TREE)
     def build_trees(self, blocks: list[BlockDraft], budget: int,
                     lookups: list[tuple[list[int], list[float]] | None], max_depth: int | None = None
-                    ) -> list[DraftTree]:
+                    ) -> TreeBatch:
         """The tree step: each row's tree of at most `budget` nodes (root included) for the configured mode, no deeper
         than `max_depth`. `lookups[r]` = (tokens, conditional log-prob of each) adds a lookup branch below row r's
-        root (tree modes; `lookup.py`)."""
+        root (tree modes; `lookup.py`). Without lookup branches the trees are built for every row at once
+        (`best_first_trees`); a lookup branch, or stage 2 evaluated lazily on a CPU, builds them row by row."""
         depth = min(blocks[0].depth, budget - 1, blocks[0].depth if max_depth is None else max_depth)
         mode = self.options.tree_mode
         if depth <= 0 or mode == "chain":
             best = [block.marginal_log_probs[: max(depth, 0)].max(dim=-1) for block in blocks]
-            return [chain_tree(block.anchor_token, self.column_tokens(b.indices).cpu(), b.values.cpu())
-                    for block, b in zip(blocks, best)]
+            return TreeBatch.pack([chain_tree(block.anchor_token, self.column_tokens(b.indices).cpu(), b.values.cpu())
+                                   for block, b in zip(blocks, best)], chains=True)
 
         roots = torch.tensor([block.anchor_token for block in blocks])
         batched = not any(lookup is not None and lookup[0] for lookup in lookups)  # (a lookup branch: per row)
@@ -631,22 +640,24 @@ class TreeDrafter:
 
         if mode == "marginal_tree":
             # row d holds the children at depth d+1, whatever the parent
-            marginal = torch.stack([b.marginal_log_probs[:depth] for b in blocks])
+            marginal = torch.stack([b.marginal_log_probs for b in blocks])[:, :depth]
             marginal = marginal.topk(min(self.options.tree_top_k, marginal.shape[-1]), dim=-1)
             marginal_tokens = self.column_tokens(marginal.indices)
             if batched:  # every row at once: children hang off every node of a depth alike
                 return best_first_trees(roots, marginal_tokens[:, :, None], marginal.values[:, :, None], None, budget,
-                                        depth).trees
-            return [search(block, lookup, table_children(tokens, values, lambda d, token: d))
-                    for block, lookup, tokens, values in zip(blocks, lookups, marginal_tokens, marginal.values)]
+                                        depth)
+            return TreeBatch.pack([search(block, lookup, table_children(tokens, values, lambda d, token: d))
+                                   for block, lookup, tokens, values in zip(blocks, lookups, marginal_tokens,
+                                                                            marginal.values)])
         batched_rows = 1 + (depth - 1) * self.options.tree_top_m
         lazy_cost = (budget - 1) * self.call_cost_in_rows
         if self.ar_evaluation == "batched" or (self.ar_evaluation == "auto" and lazy_cost >= batched_rows):
             child_tokens, child_log_probs, parents = self.ar_table_tensors(blocks, depth)
             if batched:
-                return best_first_trees(roots, child_tokens, child_log_probs, parents, budget, depth).trees
+                return best_first_trees(roots, child_tokens, child_log_probs, parents, budget, depth)
             tables = [ARTable(*row) for row in zip(child_tokens.cpu(), child_log_probs.cpu(), parents.cpu())]
-            return [search(block, lookup, table.children()) for block, lookup, table in zip(blocks, lookups, tables)]
+            return TreeBatch.pack([search(block, lookup, table.children())
+                                   for block, lookup, table in zip(blocks, lookups, tables)])
         trees = []
         for block, lookup in zip(blocks, lookups):
             lazy = LazyARChildren(self, block)
@@ -660,7 +671,7 @@ class TreeDrafter:
             guess = best_first_tree(block.anchor_token, stand_in, budget, depth)
             lazy.prefetch(list(zip(guess.depths.tolist(), guess.tokens.tolist())))
             trees.append(search(block, lookup, lazy.children_of, lazy.prefetch, self.ar_prefetch))
-        return trees
+        return TreeBatch.pack(trees)
 
 
 class LazyARChildren:

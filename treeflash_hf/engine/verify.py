@@ -27,14 +27,13 @@ def tree_attention_mask(trees: TreeBatch, key_valid: torch.BoolTensor | None, pa
     """
     allowed_tree = trees.ancestor_matrix()  # [R, N, N]
     rows, n = trees.tokens.shape
+    device = allowed_tree.device
     if key_valid is None:
-        allowed_past = torch.ones(rows, n, past_len, dtype=torch.bool)
+        allowed_past = torch.ones(rows, n, past_len, dtype=torch.bool, device=device)
     else:
-        allowed_past = key_valid.cpu()[:, None, :].expand(rows, n, past_len)
+        allowed_past = key_valid.to(device)[:, None, :].expand(rows, n, past_len)
     allowed = torch.cat([allowed_past, allowed_tree], dim=-1)
-    mask = torch.zeros(allowed.shape, dtype=dtype)
-    mask.masked_fill_(~allowed, torch.finfo(dtype).min)
-    return mask[:, None]
+    return torch.zeros((), dtype=dtype, device=device).masked_fill(~allowed, torch.finfo(dtype).min)[:, None]
 
 
 @torch.no_grad()
@@ -52,7 +51,7 @@ def verify_trees(
     own counts of real tokens). Returns logits `[R, N, V]` (float32, on `device`) and the hidden-states tuple
     (entries `i + 1` for `i` in `target_layer_ids` are `[R, N, H]`)."""
     tokens = trees.tokens.to(device)
-    position_ids = (root_positions[:, None] + trees.depths).to(device)  # [R, N]
+    position_ids = root_positions.to(device)[:, None] + trees.depths.to(device)  # [R, N]
     if key_valid is None and trees.is_uniform_chain():
         mask = None  # the causal mask the model builds itself is this tree's mask (cheaper, and exact)
     else:

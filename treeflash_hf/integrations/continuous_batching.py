@@ -287,7 +287,7 @@ class TreeFlashBatchProcessor:
 
     def emit(self, state: RequestState, rows: Rows, row: int, token: int) -> bool:
         """Commit one token to a request (its row's sequence and its state); True when the request is finished."""
-        rows.sequences[row] = torch.cat([rows.sequences[row], rows.sequences[row].new_tensor([[token]])], dim=-1)
+        rows.token_ids[row].append(token)
         return state.update_and_check_completion(token, None)
 
     def report(self, state: RequestState) -> None:
@@ -324,12 +324,12 @@ class TreeFlashBatchProcessor:
         rows, raw = decoder.prefill(input_ids.to(device), attention_mask.to(device), position_ids.to(device), cache,
                                     limits, row_ids)
         # each request's own tokens from here on (its padding lives only in the cache's invalid slots)
-        rows.sequences = [torch.tensor([prompt], dtype=torch.long, device=device) for prompt in prompts]
+        rows.token_ids = [list(prompt) for prompt in prompts]
         rows.pads = [0] * len(prompts)
         tokens = []
         for row, (state, row_id) in enumerate(zip(states, row_ids)):
             logits = raw[row : row + 1]
-            processed = decoder.process(row_id, rows.sequences[row], logits.clone()) if len(decoder.process) else logits
+            processed = decoder.process(row_id, rows.sequence(row), logits.clone()) if len(decoder.process) else logits
             tokens.append(choose_token(processed, self.do_sample))
         rows.root_tokens = decoder.sync.share_ints(tokens)
         finished = []

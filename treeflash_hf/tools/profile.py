@@ -117,11 +117,31 @@ def ancestors(event):
         yield event
 
 
+# aten operators that only make a new view of a tensor's storage or read its metadata: no kernel runs for them on an
+# accelerator (they still cost the host a dispatch)
+VIEW_OPS = frozenset(f"aten::{name}" for name in (
+    "view", "_unsafe_view", "_reshape_alias", "as_strided", "select", "slice", "narrow", "expand", "expand_as",
+    "unsqueeze", "squeeze", "t", "transpose", "permute", "unbind", "split", "chunk", "alias", "detach", "view_as",
+    "lift_fresh", "result_type", "size", "stride", "dim", "numel", "is_nonzero"))
+# ... and these, when they call nothing below them (a `.to()` to the tensor's own device and dtype, a reshape of a
+# contiguous tensor, an `.contiguous()` of a contiguous one)
+VIEW_OPS_WHEN_ALONE = frozenset({"aten::to", "aten::reshape", "aten::contiguous", "aten::type_as"})
+
+
+def launches_kernels(event) -> bool:
+    """Whether an operator event does work on the device (not a view, not a no-op conversion)."""
+    if event.name in VIEW_OPS:
+        return False
+    return not (event.name in VIEW_OPS_WHEN_ALONE and not event.cpu_children)
+
+
 def step_counts(events) -> dict:
     """From the profiler's events of one decoding call: decode steps (verifications), the engine's operators (aten
     operators dispatched outside the target's and the drafter's forwards and outside the prefill, counted at the top
-    level: an operator another one calls is part of it), the forwards' operators, and seconds per range."""
-    counts = {"steps": 0, "engine_ops": 0, "forward_ops": 0, "seconds": defaultdict(float)}
+    level: an operator another one calls is part of it) that do work on the device (`engine_ops`; on an accelerator
+    each is at least one kernel launch) and all of them (`engine_calls`, views included), the forwards' operators,
+    and seconds per range."""
+    counts = {"steps": 0, "engine_ops": 0, "engine_calls": 0, "forward_ops": 0, "seconds": defaultdict(float)}
     for event in events:
         if event.name.startswith("treeflash::"):
             inside_prefill = any(parent.name == trace.PREFILL for parent in ancestors(event))
@@ -135,7 +155,11 @@ def step_counts(events) -> dict:
         names = {parent.name for parent in ancestors(event)}
         if trace.PREFILL in names:
             continue
-        counts["forward_ops" if names & set(trace.FORWARDS) else "engine_ops"] += 1
+        if names & set(trace.FORWARDS):
+            counts["forward_ops"] += launches_kernels(event)
+        else:
+            counts["engine_calls"] += 1
+            counts["engine_ops"] += launches_kernels(event)
     return counts
 
 
@@ -165,7 +189,8 @@ def ops_profile(target, drafter, prompt: torch.LongTensor, batch: int, budget: i
     forward_seconds = seconds[trace.TARGET_FORWARD] + seconds[trace.DRAFTER_FORWARD]
     return {"batch": batch, "budget": budget, "steps": counts["steps"],
             "tau": float(out.tau), "host_reads": (reads - prefill_reads) / steps,
-            "engine_ops": counts["engine_ops"] / steps, "forward_ops": counts["forward_ops"] / steps,
+            "engine_ops": counts["engine_ops"] / steps, "engine_calls": counts["engine_calls"] / steps,
+            "forward_ops": counts["forward_ops"] / steps,
             "step_ms": step_seconds / steps * 1e3, "engine_share": 1 - forward_seconds / step_seconds}
 
 
@@ -173,20 +198,21 @@ def run_ops(args: argparse.Namespace) -> int:
     target, drafter, prompt, description = profiled_pair(args)
     print(f"{description}; {args.threads} threads; mode {args.mode}; {args.new_tokens} new tokens")
     rows = []
-    print("| batch | budget | steps | tau | host reads / step | engine ops / step | forward ops / step | step ms | "
-          "engine share |")
-    print("|---|---|---|---|---|---|---|---|---|")
+    print("| batch | budget | steps | tau | host reads / step | engine ops / step | engine calls / step | "
+          "forward ops / step | step ms | engine share |")
+    print("|---|---|---|---|---|---|---|---|---|---|")
     with torch.no_grad():
         for batch, budget in zip(args.batches, args.budgets) if len(args.budgets) == len(args.batches) else (
                 (b, g) for b in args.batches for g in args.budgets):
             row = ops_profile(target, drafter, prompt, batch, budget, args.mode, args.new_tokens)
             rows.append(row)
             print(f"| {batch} | {budget} | {row['steps']} | {row['tau']:.2f} | {row['host_reads']:.1f} | "
-                  f"{row['engine_ops']:.0f} | {row['forward_ops']:.0f} | {row['step_ms']:.1f} | "
+                  f"{row['engine_ops']:.0f} | {row['engine_calls']:.0f} | {row['forward_ops']:.0f} | {row['step_ms']:.1f} | "
                   f"{100 * row['engine_share']:.0f}% |", flush=True)
     print("(per decode step, the prefill excluded; host reads: .tolist()/.item()/int()/bool() of tensors and "
-          "data-dependent shapes, each a sync on an accelerator; ops: aten operators dispatched at the top level, "
-          "the engine's outside the target's and the drafter's forwards)")
+          "data-dependent shapes, each a sync on an accelerator; ops: aten operators dispatched at the top level "
+          "that do work on the device (views and no-op conversions left out), the engine's outside the target's and "
+          "the drafter's forwards; calls: the engine's operators, views included)")
     if args.json:
         Path(args.json).write_text(json.dumps(rows, indent=2))
     return 0
