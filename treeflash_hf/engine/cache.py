@@ -85,10 +85,14 @@ def check_cache_supported(cache) -> None:
             )
 
 
+def _slot_index(tensor: torch.Tensor, slots: torch.LongTensor) -> torch.LongTensor:
+    """`slots [R, K]` as the index that gathers them from `tensor [R, heads, L, d]`: `[R, heads, K, d]`."""
+    return slots.to(tensor.device)[:, None, :, None].expand(-1, tensor.shape[1], -1, tensor.shape[3])
+
+
 def _gather_slots(tensor: torch.Tensor, slots: torch.LongTensor) -> torch.Tensor:
     """`tensor [R, heads, L, d]`, `slots [R, K]` -> `[R, heads, K, d]` (row r takes its slots `slots[r]`)."""
-    index = slots.to(tensor.device)[:, None, :, None].expand(-1, tensor.shape[1], -1, tensor.shape[3])
-    return tensor.gather(2, index)
+    return tensor.gather(2, _slot_index(tensor, slots))
 
 
 def compact_cache(cache, past_len: int, kept_nodes: torch.LongTensor, contiguous: bool | None = None) -> None:
@@ -109,8 +113,7 @@ def compact_cache(cache, past_len: int, kept_nodes: torch.LongTensor, contiguous
                 tensor = getattr(layer, name)
                 key = (tensor.device, tensor.shape[1], tensor.shape[3])
                 if key not in indices:
-                    indices[key] = kept_nodes.to(tensor.device)[:, None, :, None].expand(
-                        -1, tensor.shape[1], -1, tensor.shape[3])
+                    indices[key] = _slot_index(tensor, kept_nodes)
                 tensor[..., past_len : past_len + num_kept, :] = tensor[..., past_len:, :].gather(2, indices[key])
         layer.keys = layer.keys[..., : past_len + num_kept, :]
         layer.values = layer.values[..., : past_len + num_kept, :]

@@ -36,7 +36,7 @@ from .lookup import MAX_NGRAM, MIN_PATH_PROB, expected_accepted, ngram_continuat
 from .options import OPTION_NAMES, TreeOptions
 from .sync import DecisionSync
 from .trace import ACCEPT, COMMIT, PREFILL, traced
-from .tree import TreeBatch, chain_tree, root_tree
+from .tree import TreeBatch, chain_tree
 from .validation import (
     TreeFlashInputError,
     check_attention_backend,
@@ -102,8 +102,8 @@ class Rows:
     ids: row identities (original row indices; under continuous batching, request numbers); token_ids: per row
     the padded prompt, then its new tokens (host lists; `sequence(row)` is one as a tensor); pads: left padding
     per row; limits: per row the longest its sequence may grow (padding included); root_tokens: per row the
-    committed token the next step verifies first (not yet run by the target); root_positions: `[R]` its position
-    (the row's own count of real tokens before it), and `lengths` the same on the host; drafted_lengths: per row
+    committed token the next step verifies first (not yet run by the target); lengths: per row the root's position
+    (its own count of real tokens before the root; `root_positions` as a tensor); drafted_lengths: per row
     the real tokens the drafter's cache holds (valid slots: `lengths` at the last draft); key_valid: `[R, L]` the
     target-cache slots each row may attend (None: all); pending: the context features the drafter has not seen yet
     (`DraftContext`), joined with each step's kept positions until the next draft."""
@@ -117,14 +117,21 @@ class Rows:
         self.pads = [0] * len(self.ids) if key_valid is None else (~key_valid).sum(dim=1).tolist()
         self.limits = list(limits)
         self.root_tokens: list[int] = []
-        self.root_positions = root_positions
         self.lengths: list[int] = root_positions.tolist()
         self.drafted_lengths = [0] * len(self.ids)
         self.key_valid = key_valid
         self.pending: DraftContext | None = pending
 
+    # the per-row host lists, narrowed and extended together as rows leave and join
+    HOST_FIELDS = ("ids", "token_ids", "pads", "limits", "root_tokens", "lengths", "drafted_lengths")
+
     def __len__(self) -> int:
         return len(self.ids)
+
+    @property
+    def root_positions(self) -> torch.LongTensor:
+        """`[R]` each row's root position (`lengths` as a tensor, for the forwards' position ids)."""
+        return torch.tensor(self.lengths, dtype=torch.long)
 
     def sequence(self, row: int) -> torch.LongTensor:
         """Row `row`'s tokens so far as `[1, S]` (for logits processors and stopping criteria that read them)."""
@@ -138,10 +145,9 @@ class Rows:
             index = torch.tensor(keep)
             select_rows(cache, index)
             generator.select_rows(index)
-            for name in ("ids", "token_ids", "pads", "limits", "root_tokens", "lengths", "drafted_lengths"):
+            for name in self.HOST_FIELDS:
                 values = getattr(self, name)
                 setattr(self, name, [values[i] for i in keep])
-            self.root_positions = self.root_positions[index]
             self.key_valid = None if self.key_valid is None else self.key_valid[index]
             pending = self.pending
             self.pending = DraftContext(pending.features[index.to(pending.features.device)], pending.positions[index],
@@ -162,9 +168,8 @@ class Rows:
         generator.add_rows(sum(len(new) for new, _ in newcomers))
         self.pending = stack_contexts([rows.pending for rows, _ in groups])
         for new, _ in newcomers:
-            for name in ("ids", "token_ids", "pads", "limits", "root_tokens", "lengths", "drafted_lengths"):
+            for name in self.HOST_FIELDS:
                 getattr(self, name).extend(getattr(new, name))
-        self.root_positions = torch.cat([rows.root_positions for rows, _ in groups])
 
     @traced(COMMIT)
     def commit(self, accepted: list[Acceptance], hidden_states: tuple, cache, past_len: int,
@@ -189,7 +194,6 @@ class Rows:
         kept = DraftContext(generator.context_features(hidden_states, kept_nodes),
                             self.root_positions[:, None] + torch.arange(num_kept), kept_valid)
         self.pending = kept if self.pending is None else join_contexts(self.pending, kept)
-        self.root_positions = self.root_positions + torch.tensor(kept_counts)
         self.lengths = [length + count for length, count in zip(self.lengths, kept_counts)]
         self.root_tokens = [result.tokens[-1] for result in accepted]
         self.key_valid = repack(cache, self.key_valid, valid_counts=self.lengths)
@@ -199,8 +203,8 @@ class Rows:
 @dataclass
 class StepPlan:
     """What one step verifies. kind: `"draft"`, `"lookup"` or `"plain"` (see `lookup.StepScheduler`); trees: every
-    row's tree (`TreeBatch`); branches / ngrams / branch_expected: each row's lookup branch (tokens, log-probs), its n-gram order and its
-    expected accepted tokens (None: no branch)."""
+    row's tree (`TreeBatch`); branches / ngrams / branch_expected: each row's lookup branch (tokens, log-probs), its
+    n-gram order and its expected accepted tokens (None: no branch)."""
 
     kind: str
     trees: TreeBatch | None
@@ -299,9 +303,9 @@ def accept_all(trees: TreeBatch, logits: torch.Tensor, rows: Rows, process: RowP
     if do_sample and process.row_wise and not sync.active:  # (under tensor parallelism rank 0 draws: below)
         return sampled_accept(trees, logits, process.logits_processor)
     accepted = [
-        walk_tree(tree, logits[row, : tree.size], sequence,
+        walk_tree(tree, logits[row, : tree.size], rows.sequence(row),
                   functools.partial(process, row_id) if len(process) else None, do_sample)
-        for row, (tree, row_id) in enumerate(zip(trees.trees, rows.ids)) for sequence in [rows.sequence(row)]
+        for row, (tree, row_id) in enumerate(zip(trees.trees, rows.ids))
     ]
     if do_sample and sync.active:
         paths = sync.share_token_lists([a.path for a in accepted])
@@ -323,8 +327,8 @@ def learn_from_step(learned, plan: StepPlan, accepted: list[Acceptance], seconds
     accepted_lengths = [len(result.path) for result in accepted]
     learned.schedule.observe(plan.kind, seconds, accepted_lengths, plan.branch_expected)
     if learned.auto_budget is not None and plan.kind == "draft":
-        learned.auto_budget.observe(plan.trees.size_list(), [result.path for result in accepted], seconds, verify_seconds,
-                                    plan.drafted_depth)
+        learned.auto_budget.observe(plan.trees.size_list(), [result.path for result in accepted], seconds,
+                                    verify_seconds, plan.drafted_depth)
 
 
 @dataclass

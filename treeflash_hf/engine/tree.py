@@ -43,11 +43,6 @@ class DraftTree:
         """The first `n` nodes: a valid tree, since parents precede children."""
         return DraftTree(self.tokens[:n], self.parents[:n], self.depths[:n], self.path_log_probs[:n])
 
-    def is_chain(self) -> bool:
-        """True when every node's parent is the node before it (a linear draft, or the root alone)."""
-        # parents precede children, so a last node at depth N-1 has all N nodes on its path, in order
-        return int(self.depths[-1]) == self.size - 1
-
     def children(self) -> list[dict[int, int]]:
         """Per node, `{child token: child index}` (Python ints: the acceptance walk reads these)."""
         table: list[dict[int, int]] = [{} for _ in range(self.size)]
