@@ -170,3 +170,67 @@ def test_a_store_grows_by_new_chat_windows_and_draws_the_chat_share(tiny, tmp_pa
     assert (FeatureStore(tmp_path, seed=1).batch(0, 4)[0].shape == (4, 33))
     with pytest.raises(ValueError, match="chat_fraction must be within"):
         FeatureStore(tmp_path, chat_fraction=1.5)
+    # a data-scaling point: only the first N chat windows are drawn, and the sizes say so
+    two = FeatureStore(tmp_path, chat_fraction=0.75, seed=1, chat_windows=2)
+    assert two.chat_window_count == 2 and store.chat_window_count == 3
+    assert two.chat_answer_tokens == 2 * 28 and store.chat_answer_tokens == 3 * 28
+    drawn_ids = np.concatenate([two.batch(step, 8)[0].numpy() for step in range(30)])
+    drawn_chat = {tuple(row) for row in drawn_ids.tolist() if tuple(row) in {tuple(r) for r in chat.tolist()}}
+    assert drawn_chat == {tuple(row) for row in chat[:2].tolist()}
+    uniform = FeatureStore(tmp_path, seed=1, chat_windows=1)  # uniform over one chat window and the code ones
+    drawn_ids = np.concatenate([uniform.batch(step, 8)[0].numpy() for step in range(30)])
+    assert not any(tuple(row) in {tuple(r) for r in chat[1:].tolist()} for row in drawn_ids.tolist())
+    with pytest.raises(ValueError, match="chat_windows must be at least 1"):
+        FeatureStore(tmp_path, chat_windows=0)
+
+
+def test_a_drafter_study_trains_each_variant_the_same_way_from_the_store(tiny, tmp_path):
+    """`reference drafter-study`: each variant is a new drafter trained by the recipe's stages on the same store,
+    differing by its one change (layers, initialisation, data size); its held-out metrics are recorded, tabled and
+    plotted."""
+    import argparse
+
+    from treeflash_hf.recipes import drafter_study
+    from treeflash_hf.recipes.tiny_suite import context_layer_ids
+
+    from types import SimpleNamespace
+
+    target, drafter, _ = tiny
+    tokenizer = SimpleNamespace(convert_tokens_to_ids=lambda token: 1)  # the mask token (the tiny one lacks SmolLM2's)
+    generator = torch.Generator().manual_seed(7)
+    windows = torch.randint(3, target.config.vocab_size, (8, 65), generator=generator).numpy()
+    masks = np.ones_like(windows, dtype=np.uint8)
+    masks[1::2, :9] = 0  # every other window is chat (a prompt)
+    store_dir = tmp_path / "features"
+    layers = context_layer_ids(target.config.num_hidden_layers, 1)  # the new drafters' (--context-layers 1)
+    create_store(store_dir, windows, masks, layers, target.config.hidden_size, top_k=8, heldout=2)
+    fill_store(target, store_dir, batch_size=4)
+    parser = argparse.ArgumentParser()
+    drafter_study.add_parser(parser.add_subparsers())
+    args = parser.parse_args(["drafter-study", "--work", str(tmp_path), "--minutes", "0.01", "--ar-minutes", "0.01",
+                              "--seq-len", "64", "--num-anchors", "2", "--batch-size", "2", "--context-layers", "1"])
+    results = {}
+    for name in ("baseline", "two_layers", "chat1"):
+        variant = drafter_study.variant_args(args, name)
+        results[name] = drafter_study.train_variant(target, tokenizer, store_dir, tmp_path / name, variant)
+    assert args.drafter_layers == 1 and args.chat_windows is None  # variants are copies
+    assert results["two_layers"]["drafter_layers"] == 2
+    assert results["two_layers"]["parameters"] > results["baseline"]["parameters"]
+    assert results["chat1"]["chat_windows"] == 1 and results["baseline"]["chat_windows"] == 3
+    assert results["chat1"]["chat_answer_tokens"] == 56
+    for result in results.values():
+        for stage in ("backbone", "ar"):
+            assert result[stage]["steps"] >= 1 and 0.0 <= result[stage]["accept_proxy"] <= 15
+            assert result[stage]["curve"][-1]["kl"] == result[stage]["kl"]
+    assert "| chat1 | 1 | random | 7 | 0 | all | 1 (56) | ar |" in drafter_study.table(results)
+    assert drafter_study.sized_variant("vocab4096") == ("draft_vocab_size", 4096)
+    assert drafter_study.sized_variant("chat0") is None and drafter_study.sized_variant("decay4") is None
+    with pytest.raises(SystemExit, match="holds 0 tokens"):  # no draft vocabulary chosen in this work folder
+        drafter_study.train_variant(target, tokenizer, store_dir, tmp_path / "v", drafter_study.variant_args(args, "vocab8"))
+    ranked = list(range(target.config.vocab_size - 1, target.config.vocab_size - 17, -1))
+    (tmp_path / "draft_vocab.json").write_text(json.dumps({"token_ids": ranked}))
+    small = drafter_study.train_variant(target, tokenizer, store_dir, tmp_path / "v8",
+                                        drafter_study.variant_args(args, "vocab8"))
+    assert small["draft_vocab"] == 8 and small["backbone"]["steps"] >= 1
+    drafter_study.plot(results, tmp_path / "plot.png")
+    assert (tmp_path / "plot.png").stat().st_size > 0

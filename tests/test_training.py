@@ -309,3 +309,27 @@ def test_drafter_init_copies_weights_or_names_the_mismatch(tmp_path, tiny):
         load_drafter_weights(deeper, tmp_path / "earlier")
     with pytest.raises(FileNotFoundError, match="no \\*.safetensors"):
         load_drafter_weights(fresh, tmp_path / "missing")
+
+
+@pytest.mark.parametrize("arch", ["qwen3", "llama"])
+def test_a_new_drafter_can_start_from_the_target_s_last_layers(arch):
+    """`layer_init="target"`: the drafter's decoder layers are copies of the target's last ones (weights the
+    target's layer lacks, a Llama layer's q/k norms, keep their initialisation), its final norm the target's; a
+    drafter deeper than the target is refused."""
+    from treeflash_hf.training.drafter import new_drafter
+
+    target = random_target(arch, vocab_size=VOCAB, hidden_size=32, num_layers=3, num_heads=2, num_kv_heads=1, seed=0)
+    drafter = new_drafter(target, 2, block_size=4, mask_token_id=1, layer_init="target")
+    source = target.get_decoder()
+    for layer, copied in zip(drafter.layers, source.layers[1:]):
+        theirs = copied.state_dict()
+        for name, value in layer.state_dict().items():
+            if name in theirs:
+                assert torch.equal(value, theirs[name]), name
+            else:
+                assert arch == "llama" and "_norm" in name
+    assert torch.equal(drafter.norm.weight, source.norm.weight)
+    fresh = new_drafter(target, 2, block_size=4, mask_token_id=1)
+    assert not torch.equal(fresh.layers[0].self_attn.q_proj.weight, drafter.layers[0].self_attn.q_proj.weight)
+    with pytest.raises(ValueError, match="only 3"):
+        new_drafter(target, 4, block_size=4, mask_token_id=1, layer_init="target")

@@ -60,11 +60,21 @@ def add_target_quant_argument(parser: argparse.ArgumentParser) -> None:
 
 
 def add_drafter_arguments(parser: argparse.ArgumentParser, drafter_layers: int, num_anchors: int) -> None:
-    """`--drafter-layers` and `--num-anchors`: the shape of a new drafter and the blocks its training samples."""
+    """`--drafter-layers`, `--num-anchors`, `--layer-init`, `--decay`, `--ce-weight`: the shape and initialisation of
+    a new drafter, the blocks its training samples and its loss."""
     parser.add_argument("--drafter-layers", type=positive_int, default=drafter_layers,
                         help=f"decoder layers of a new drafter (default {drafter_layers})")
     parser.add_argument("--num-anchors", type=positive_int, default=num_anchors,
                         help=f"blocks sampled per training sequence, each drafted from one anchor (default {num_anchors})")
+    parser.add_argument("--layer-init", choices=("random", "target"), default="random",
+                        help="a new drafter's decoder layers: random (default), or copies of the target's last "
+                             "--drafter-layers decoder layers (and its final norm)")
+    parser.add_argument("--decay", type=float, default=7.0,
+                        help="slot weights exp(-(k-1)/decay) of the loss: a smaller decay favours the first slots "
+                             "(default 7)")
+    parser.add_argument("--ce-weight", type=float, default=0.0,
+                        help="mix of cross-entropy to the data token in the loss, the rest forward KL to the target "
+                             "(default 0)")
 
 
 def add_optimizer_arguments(parser: argparse.ArgumentParser, lr: float, batch_size: int, seq_len: int) -> None:

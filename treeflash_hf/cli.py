@@ -12,14 +12,14 @@ import sys
 from pathlib import Path
 
 from .hub import bundle, convert, push
-from .recipes import corpus, drafter_recipe, tiny_suite
+from .recipes import corpus, drafter_recipe, drafter_study, tiny_suite
 from .tools import ablate, bench, demo, evaluate, profile, quant_bench, serve_bench, train
 from .training.checkpoint import CheckpointError
 
 # the subcommands: each module's `add_parser` adds its own
 COMMANDS = (ablate, bench, bundle, convert, demo, evaluate, push, train, profile, quant_bench, serve_bench)
 # `treeflash-hf reference ...`: the reference pairs' recipes
-REFERENCE_COMMANDS = (corpus, drafter_recipe, tiny_suite)
+REFERENCE_COMMANDS = (corpus, drafter_recipe, drafter_study, tiny_suite)
 
 # arguments that name a model to read: each must be an existing folder or a Hub id
 MODEL_ARGUMENTS = {"target": "--target", "drafter": "--drafter", "tokenizer": "--tokenizer", "draft_lm": "--draft-lm"}

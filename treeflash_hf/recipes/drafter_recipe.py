@@ -43,7 +43,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from ..arguments import add_drafter_arguments, add_optimizer_arguments, add_target_quant_argument
+from ..arguments import add_drafter_arguments, add_optimizer_arguments, add_target_quant_argument, positive_int
 from .corpus import DEFAULT_FOLDER as DEFAULT_CORPUS
 from .corpus import load_shard, shard_paths
 
@@ -257,7 +257,7 @@ def new_drafter(target, args: argparse.Namespace, tokenizer):
     return fresh_drafter(target, args.drafter_layers, block_size=16,
                          mask_token_id=tokenizer.convert_tokens_to_ids(MASK_TOKEN),
                          target_layer_ids=context_layer_ids(target.config.num_hidden_layers, args.context_layers),
-                         ar_intermediate_size=args.ar_intermediate)
+                         ar_intermediate_size=args.ar_intermediate, layer_init=args.layer_init)
 
 
 def train_stage(stage: str, target, drafter, store, run_dir: Path, args, minutes: float | None = None,
@@ -270,7 +270,8 @@ def train_stage(stage: str, target, drafter, store, run_dir: Path, args, minutes
     from ..training.loop import LoopConfig, LossTerms, Shard, train_loop
 
     embed, head = target.get_input_embeddings(), target.get_output_embeddings()
-    loss_config = DrafterLossConfig(stage=stage, num_anchors=args.num_anchors)
+    loss_config = DrafterLossConfig(stage=stage, num_anchors=args.num_anchors, decay=args.decay,
+                                    ce_weight=args.ce_weight)
     block = drafter.config.block_size
     generator = torch.Generator()
     freeze_for_stage(drafter, stage, full_finetune)
@@ -347,7 +348,10 @@ def run(args: argparse.Namespace) -> int:
                                  "there is none there: point --out at a drafter folder, or add the export stage.")
             apply_draft_vocab(out, load_draft_vocab(work), summary["draft_vocab"])
     store_dir = work / "features"
-    drafter = initial_drafter(args.init, target) if recalibrating else new_drafter(target, args, tokenizer)
+    if recalibrating or args.init:  # a trained drafter: recalibrated, or continued on this folder's data
+        drafter = initial_drafter(args.init or str(SMOLLM2_DRAFTER), target)
+    else:
+        drafter = new_drafter(target, args, tokenizer)
     if not recalibrating and args.draft_vocab and (token_ids := load_draft_vocab(work)) is not None:
         drafter.set_draft_vocab(token_ids)  # trained as it will draft (and the head's product V / V' cheaper)
     if "windows" in args.stages and not (store_dir / "store.json").exists():
@@ -374,7 +378,8 @@ def run(args: argparse.Namespace) -> int:
     run_dirs = {"backbone": work / args.backbone_run, "ar": work / args.ar_run}
     for stage in ("backbone", "ar"):
         if stage in args.stages:
-            store = FeatureStore(store_dir, seed=args.seed, chat_fraction=args.chat_fraction)
+            store = FeatureStore(store_dir, seed=args.seed, chat_fraction=args.chat_fraction,
+                                 chat_windows=args.chat_windows)
             if stage == "ar" and (not recalibrating or latest_checkpoint(run_dirs["backbone"]) is not None):
                 load_stage(drafter, run_dirs["backbone"])  # (a recalibration without one keeps --init's backbone)
             if stage == "backbone" and args.backbone_init and latest_checkpoint(run_dirs["backbone"]) is None:
@@ -385,7 +390,10 @@ def run(args: argparse.Namespace) -> int:
             minutes = args.backbone_minutes if stage == "backbone" else args.ar_minutes
             stage_summary = train_stage(stage, target, drafter, store, run_dirs[stage], args, minutes)
             stage_summary.update(windows_available=store.done, run=run_dirs[stage].name,
-                                 chat_fraction=args.chat_fraction)
+                                 chat_fraction=args.chat_fraction, chat_windows=store.chat_window_count,
+                                 chat_answer_tokens=store.chat_answer_tokens, loss_decay=args.decay,
+                                 ce_weight=args.ce_weight, drafter_layers=drafter.config.num_hidden_layers,
+                                 layer_init="from " + args.init if args.init else args.layer_init)
             if stage == "backbone" and args.backbone_init:
                 stage_summary["continues"] = stage_key("backbone", args.backbone_init)
             if stage == "ar" and args.ar_init:
@@ -512,6 +520,14 @@ def export(drafter, out: Path, summary: dict, target_quant: str = "none",
     print(f"saved {out}")
 
 
+def add_shape_arguments(parser: argparse.ArgumentParser) -> None:
+    """`--context-layers`, `--ar-intermediate`: the rest of a new SmolLM2 drafter's shape."""
+    parser.add_argument("--context-layers", type=positive_int, default=3,
+                        help="target layers whose outputs are the drafter's context (default 3)")
+    parser.add_argument("--ar-intermediate", type=positive_int, default=1024,
+                        help="the AR layer's inner width (default 1024)")
+
+
 def add_parser(subparsers) -> None:
     from .pairs import SMOLLM2_DRAFTER
 
@@ -520,7 +536,9 @@ def add_parser(subparsers) -> None:
                                        "reference_work/smollm2-SPEC with --target-quant)")
     parser.add_argument("--out", help=f"default {SMOLLM2_DRAFTER}; <work>/drafter with --target-quant")
     add_target_quant_argument(parser)
-    parser.add_argument("--init", default=str(SMOLLM2_DRAFTER), help="the drafter a recalibration starts from")
+    parser.add_argument("--init", help="a trained drafter folder to start from instead of a new drafter (a "
+                                       "continuation on this folder's data; a recalibration starts from the bundled "
+                                       f"drafter, {SMOLLM2_DRAFTER}, unless given)")
     parser.add_argument("--windows-from", default="reference_work/smollm2/features",
                         help="the full-precision feature store whose windows a recalibration reuses")
     parser.add_argument("--recalibration-windows", type=int, default=240)
@@ -547,8 +565,7 @@ def add_parser(subparsers) -> None:
     parser.add_argument("--top-k", type=int, default=16, help="teacher log-probs kept per position")
     parser.add_argument("--features-minutes", type=float, default=15)
     add_drafter_arguments(parser, drafter_layers=1, num_anchors=48)
-    parser.add_argument("--context-layers", type=int, default=3)
-    parser.add_argument("--ar-intermediate", type=int, default=1024)
+    add_shape_arguments(parser)
     add_optimizer_arguments(parser, lr=6e-4, batch_size=4, seq_len=512)
     parser.add_argument("--backbone-minutes", type=float, default=35)
     parser.add_argument("--ar-minutes", type=float, default=20)
@@ -560,4 +577,7 @@ def add_parser(subparsers) -> None:
                                           "start on a continued backbone)")
     parser.add_argument("--chat-fraction", type=float,
                         help="share of each batch drawn from chat windows (default: uniform over all windows)")
+    parser.add_argument("--chat-windows", type=positive_int,
+                        help="train on the first N chat training windows of the store only (a data-scaling point; "
+                             "default: all of them)")
     parser.set_defaults(func=run)

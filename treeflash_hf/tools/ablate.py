@@ -79,11 +79,15 @@ def live_trainer(target, args: argparse.Namespace):
 def cached_trainer(target, args: argparse.Namespace):
     """Stage ar from the recipe's feature store (`--store`), as the bundled drafter was trained."""
     from ..recipes.drafter_recipe import train_stage
+    from ..training.drafter import DrafterLossConfig
     from ..training.features import FeatureStore
+
+    loss = DrafterLossConfig()  # the recipe's loss: its default slot decay, no cross-entropy
 
     def train(drafter, run_dir: Path, seed: int, full_finetune: bool) -> dict:
         store = FeatureStore(args.store, seed=seed)
-        hyper = SimpleNamespace(num_anchors=48, batch_size=4, lr=args.lr, seed=seed)
+        hyper = SimpleNamespace(num_anchors=48, batch_size=4, lr=args.lr, seed=seed, decay=loss.decay,
+                                ce_weight=loss.ce_weight)
         return train_stage("ar", target, drafter, store, run_dir, hyper, fixed_steps=args.steps,
                            full_finetune=full_finetune)
 

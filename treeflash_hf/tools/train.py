@@ -46,7 +46,8 @@ def run(args: argparse.Namespace) -> int:
     if args.drafter is None:
         if args.mask_token_id is None:
             raise SystemExit("error: a new drafter needs --mask-token-id (a reserved token of the target's vocabulary).")
-        drafter = new_drafter(target, args.drafter_layers, args.block_size, args.mask_token_id)
+        drafter = new_drafter(target, args.drafter_layers, args.block_size, args.mask_token_id,
+                              layer_init=args.layer_init)
     elif "dflash_config" in json.loads((Path(args.drafter) / "config.json").read_text()):
         drafter = convert(args.drafter).float()
     else:
@@ -91,8 +92,6 @@ def add_parser(subparsers) -> None:
     add_optimizer_arguments(parser, lr=6e-4, batch_size=8, seq_len=256)
     parser.add_argument("--warmup-steps", type=int, default=50)
     add_drafter_arguments(parser, drafter_layers=5, num_anchors=16)
-    parser.add_argument("--decay", type=float, default=7.0)
-    parser.add_argument("--ce-weight", type=float, default=0.0)
     parser.add_argument("--full-finetune", action="store_true")
     parser.add_argument("--block-size", type=int, default=16)
     parser.add_argument("--mask-token-id", type=int)

@@ -317,9 +317,13 @@ __all__ = ["DrafterLossConfig", "Teacher", "block_loss_terms", "drafter_loss", "
 
 
 def new_drafter(target, num_layers: int, block_size: int, mask_token_id: int, target_layer_ids: list[int] | None = None,
-                ar_intermediate_size: int | None = None):
+                ar_intermediate_size: int | None = None, layer_init: str = "random"):
     """A fresh drafter shaped for `target` (its width, heads, vocabulary and RoPE base), `num_layers` decoder layers,
-    drafting blocks of `block_size` with `mask_token_id` (a reserved token of the target's vocabulary)."""
+    drafting blocks of `block_size` with `mask_token_id` (a reserved token of the target's vocabulary).
+    `layer_init="target"`: its decoder layers start as copies of the target's last `num_layers` ones
+    (`copy_target_layers`)."""
+    if layer_init not in ("random", "target"):
+        raise ValueError(f"layer_init must be 'random' or 'target', got {layer_init!r}.")
     from ..modeling.configuration_treeflash_drafter import TreeFlashDrafterConfig
     from ..modeling.modeling_treeflash_drafter import TreeFlashDrafterModel
 
@@ -338,4 +342,30 @@ def new_drafter(target, num_layers: int, block_size: int, mask_token_id: int, ta
         rope_theta=rope.get("rope_theta", getattr(text, "rope_theta", 10000.0)), block_size=block_size,
         mask_token_id=mask_token_id, num_target_layers=text.num_hidden_layers, **extra,
     )
-    return TreeFlashDrafterModel(config)
+    drafter = TreeFlashDrafterModel(config)
+    if layer_init == "target":
+        copy_target_layers(drafter, target)
+    return drafter
+
+
+def copy_target_layers(drafter, target) -> list[int]:
+    """Start the drafter's decoder layers as the target's last ones, in order (attention projections, MLP, norms),
+    and its final norm as the target's: the drafter then begins where the target predicts the next token, and its
+    hidden states already suit the target's head. Weights the target's layer lacks (a Llama layer has no q/k
+    norms) keep their initialisation. Returns the target layers copied."""
+    decoder = target.get_decoder()
+    first = len(decoder.layers) - len(drafter.layers)
+    if first < 0:
+        raise ValueError(f"The drafter has {len(drafter.layers)} decoder layers and the target only "
+                         f"{len(decoder.layers)}: use --layer-init random, or fewer --drafter-layers.")
+    for layer, source in zip(drafter.layers, decoder.layers[first:]):
+        own = layer.state_dict()
+        weights = {name: value for name, value in source.state_dict().items() if name in own}
+        wrong = [name for name, value in weights.items() if value.shape != own[name].shape]
+        if wrong or not weights:
+            what = ", ".join(wrong) or "no weight names in common"
+            raise ValueError(f"The target's decoder layers do not fit the drafter's ({what}): use --layer-init "
+                             "random.")
+        layer.load_state_dict(weights, strict=False)
+    drafter.norm.load_state_dict(decoder.norm.state_dict())
+    return list(range(first, len(decoder.layers)))

@@ -13,7 +13,8 @@ Files in the store's folder (all preallocated, filled window by window, so build
 (new windows appended after the existing ones, filled by the next `fill_store`).
 
 Chat windows (self-distilled answers) are the windows whose loss mask masks some positions (their prompts); code
-windows count every position. `FeatureStore(chat_fraction=...)` draws that share of each batch from chat windows.
+windows count every position. `FeatureStore(chat_fraction=...)` draws that share of each batch from chat windows;
+`chat_windows=N` trains on the first N chat training windows only (a point of a data-scaling curve).
 """
 
 from __future__ import annotations
@@ -35,9 +36,12 @@ STORE_FILE = "store.json"
 class FeatureStore:
     """Cached target outputs over fixed windows (see the module docstring); `batch(step, B)` draws windows."""
 
-    def __init__(self, folder: str | Path, seed: int = 0, chat_fraction: float | None = None):
+    def __init__(self, folder: str | Path, seed: int = 0, chat_fraction: float | None = None,
+                 chat_windows: int | None = None):
         if chat_fraction is not None and not 0.0 <= chat_fraction <= 1.0:
             raise ValueError(f"chat_fraction must be within [0, 1], got {chat_fraction}.")
+        if chat_windows is not None and chat_windows < 1:
+            raise ValueError(f"chat_windows must be at least 1 (or None for all), got {chat_windows}.")
         self.folder = Path(folder)
         meta_file = self.folder / STORE_FILE
         if not meta_file.exists():
@@ -53,6 +57,7 @@ class FeatureStore:
                                        shape=(windows, seq_len, top_k))
         self.seed = seed
         self.chat_fraction = chat_fraction
+        self.chat_windows = chat_windows
 
     @property
     def done(self) -> int:
@@ -76,10 +81,12 @@ class FeatureStore:
         if self.done <= heldout:
             raise ValueError(f"The feature store {self.folder} has no training windows done yet: fill it first.")
         rng = np.random.default_rng([self.seed, step])
-        if self.chat_fraction is None:
+        if self.chat_fraction is None and self.chat_windows is None:
             return self.rows(rng.integers(heldout, self.done, size=batch_size))
-        is_chat = self.is_chat[heldout : self.done]
-        chat, code = np.flatnonzero(is_chat) + heldout, np.flatnonzero(~is_chat) + heldout
+        chat, code = self.training_windows()
+        if self.chat_fraction is None:
+            pool = np.concatenate([chat, code])
+            return self.rows(pool[rng.integers(0, len(pool), size=batch_size)])
         if len(chat) == 0 or len(code) == 0:
             raise ValueError(f"chat_fraction needs chat and code windows among the {self.done - heldout} training "
                              f"windows done ({len(chat)} chat, {len(code)} code).")
@@ -87,6 +94,25 @@ class FeatureStore:
         indices = np.where(pick_chat, chat[rng.integers(0, len(chat), size=batch_size)],
                            code[rng.integers(0, len(code), size=batch_size)])
         return self.rows(indices)
+
+    def training_windows(self) -> tuple[np.ndarray, np.ndarray]:
+        """The training windows done, as indices: chat (the first `chat_windows` of them when set; the windows are
+        stored shuffled, so that is a random subset, and a larger one contains a smaller) and code."""
+        heldout = int(self.meta["heldout"])
+        is_chat = self.is_chat[heldout : self.done]
+        chat, code = np.flatnonzero(is_chat) + heldout, np.flatnonzero(~is_chat) + heldout
+        return chat[: self.chat_windows], code
+
+    @property
+    def chat_window_count(self) -> int:
+        """Chat windows training draws from."""
+        return len(self.training_windows()[0])
+
+    @property
+    def chat_answer_tokens(self) -> int:
+        """Answer tokens (loss-counted positions) in the chat windows training draws from."""
+        chat = np.sort(self.training_windows()[0])
+        return int(np.asarray(self.loss_mask[chat], dtype=np.int64).sum()) if len(chat) else 0
 
     @functools.cached_property
     def is_chat(self) -> np.ndarray:
