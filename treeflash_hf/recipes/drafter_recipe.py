@@ -7,8 +7,8 @@ session; a stage whose output exists is skipped):
    the evaluation set, never HumanEval), batched, saved chunk by chunk.
 2. `vocab` (`--draft-vocab N`): the N most frequent tokens of the distilled answers and the code stream, the
    drafter's draft vocabulary (`training/draft_vocab.py`): the drafter the recipe makes trains on it (the head's
-   product `V / N` times cheaper) and drafts from it; without `export` in the stages it is written into the drafter
-   already in `--out` (weights unchanged).
+   product `V / N` times cheaper) and drafts from it; with no `backbone`, `ar` or `export` stage it is written into
+   the drafter already in `--out` (weights unchanged).
 3. `windows`: fixed windows of `--seq-len + 1` tokens: the chat answers (loss on the answer tokens only) and the
    code corpus (`reference.corpus_split`: standard library and site-packages, reserved packages excluded), shuffled;
    the first windows (held-out code and the first chat answers) are the held-out set. On an existing store, the
@@ -342,7 +342,7 @@ def run(args: argparse.Namespace) -> int:
                              "file to choose again (and retrain), or pass its size.")
         if chosen is None:  # chosen once per work folder: every stage trains on the same vocabulary
             record("draft_vocab", choose_draft_vocab(tokenizer, work, args))
-        if "export" not in args.stages:  # a drafter already made: give it the vocabulary in place
+        if not {"backbone", "ar", "export"} & set(args.stages):  # a drafter already made: the vocabulary in place
             if not (out / "config.json").is_file():
                 raise SystemExit(f"error: stage vocab gives the drafter in --out ({out}) its draft vocabulary, and "
                                  "there is none there: point --out at a drafter folder, or add the export stage.")
