@@ -348,11 +348,11 @@ def new_drafter(target, num_layers: int, block_size: int, mask_token_id: int, ta
     return drafter
 
 
-def copy_target_layers(drafter, target) -> list[int]:
+def copy_target_layers(drafter, target) -> None:
     """Start the drafter's decoder layers as the target's last ones, in order (attention projections, MLP, norms),
     and its final norm as the target's: the drafter then begins where the target predicts the next token, and its
     hidden states already suit the target's head. Weights the target's layer lacks (a Llama layer has no q/k
-    norms) keep their initialisation. Returns the target layers copied."""
+    norms) keep their initialisation."""
     decoder = target.get_decoder()
     first = len(decoder.layers) - len(drafter.layers)
     if first < 0:
@@ -368,4 +368,3 @@ def copy_target_layers(drafter, target) -> list[int]:
                              "random.")
         layer.load_state_dict(weights, strict=False)
     drafter.norm.load_state_dict(decoder.norm.state_dict())
-    return list(range(first, len(decoder.layers)))

@@ -111,8 +111,7 @@ class FeatureStore:
     @property
     def chat_answer_tokens(self) -> int:
         """Answer tokens (loss-counted positions) in the chat windows training draws from."""
-        chat = np.sort(self.training_windows()[0])
-        return int(np.asarray(self.loss_mask[chat], dtype=np.int64).sum()) if len(chat) else 0
+        return int(np.asarray(self.loss_mask[self.training_windows()[0]], dtype=np.int64).sum())  # (indices sorted)
 
     @functools.cached_property
     def is_chat(self) -> np.ndarray:
