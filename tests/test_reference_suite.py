@@ -116,3 +116,46 @@ def test_run_dtype_divergences_are_near_ties():
         compare(identity, target, inputs["input_ids"][0], plain, fast[0, width:].tolist())
     assert identity.other == 0, identity
     assert identity.identical + identity.near_ties == len(HELD_OUT)
+
+
+def test_doubling_fit_takes_the_last_point_of_each_amount_of_data():
+    """The lineage fit: τ = a + b log2(tokens) over, for each amount of data, its last (longest-trained) point."""
+    from treeflash_hf.tools.lineage import doubling_fit, predictions
+
+    points = [{"chat_answer_tokens": 1000, "tau": 1.0}, {"chat_answer_tokens": 1000, "tau": 1.5},
+              {"chat_answer_tokens": 2000, "tau": 1.6}, {"chat_answer_tokens": 8000, "tau": 1.8}]
+    a, b = doubling_fit(points)
+    assert b == pytest.approx(0.1) and a + b * 10 == pytest.approx(1.5, abs=0.01)
+    assert predictions((a, b), taus=(2.0,))["tokens_for"]["2.0"] == pytest.approx(32000, rel=0.02)
+    assert doubling_fit(points[:2]) is None
+
+
+def test_drafter_tau_records_a_lineage_point_and_its_plot(suite, tmp_path):
+    """`treeflash-hf drafter-tau`: τ per group of requests (their mean equals greedy τ's own count over each group),
+    a point written and replaced by label, and a lineage measured another way refused."""
+    from treeflash_hf.cli import main
+    from treeflash_hf.recipes.pairs import pair_dirs
+    from treeflash_hf.tools.ablate import greedy_tau
+    from treeflash_hf.tools.lineage import group_taus
+
+    target, drafter, tokenizer, _ = suite
+    prompts = [tokenizer(text, return_tensors="pt")["input_ids"][:, -64:] for text in ("def add(a, b):\n",
+               "import os\n\ndef walk(path):\n", "class Stack:\n    def push(self, item):\n", "for i in range(")]
+    taus = group_taus(target, drafter, prompts, 2, 8, 8)
+    assert taus == [greedy_tau(target, drafter, prompts[:2], 8, 8), greedy_tau(target, drafter, prompts[2:], 8, 8)]
+    assert all(tau >= 1 for tau in taus)
+
+    lineage = tmp_path / "lineage.json"
+    common = ["drafter-tau", "--pair", "tiny", "--drafters", str(pair_dirs("tiny")[1]), "--prompts",
+              "stdlib-heldout", "--num-prompts", "4", "--groups", "2", "--max-new-tokens", "8",
+              "--lineage", str(lineage)]
+    assert main(common + ["--label", "a", "--answer-tokens", "1000", "--cpu-minutes", "1"]) == 0
+    assert main(common + ["--label", "b", "--answer-tokens", "4000", "--cpu-minutes", "3"]) == 0
+    assert main(common + ["--label", "a", "--answer-tokens", "2000", "--cpu-minutes", "2"]) == 0
+    recorded = json.loads(lineage.read_text())
+    assert [(p["label"], p["chat_answer_tokens"]) for p in recorded["points"]] == [("b", 4000), ("a", 2000)]
+    assert recorded["points"][0]["tau"] == recorded["points"][1]["tau"]  # greedy and float32: the same drafter
+    assert "fit" in recorded and lineage.with_suffix(".png").stat().st_size > 0
+    assert main(common[:-2] + ["--budget", "4", "--lineage", str(lineage), "--label", "c", "--answer-tokens", "10",
+                               "--cpu-minutes", "1"]) == 1  # another measure: refused, the file kept
+    assert json.loads(lineage.read_text()) == recorded

@@ -13,11 +13,11 @@ from pathlib import Path
 
 from .hub import bundle, convert, push
 from .recipes import corpus, drafter_recipe, drafter_study, tiny_suite
-from .tools import ablate, bench, demo, evaluate, profile, quant_bench, serve_bench, train
+from .tools import ablate, bench, demo, evaluate, lineage, profile, quant_bench, serve_bench, train
 from .training.checkpoint import CheckpointError
 
 # the subcommands: each module's `add_parser` adds its own
-COMMANDS = (ablate, bench, bundle, convert, demo, evaluate, push, train, profile, quant_bench, serve_bench)
+COMMANDS = (ablate, bench, bundle, convert, demo, evaluate, lineage, push, train, profile, quant_bench, serve_bench)
 # `treeflash-hf reference ...`: the reference pairs' recipes
 REFERENCE_COMMANDS = (corpus, drafter_recipe, drafter_study, tiny_suite)
 
