@@ -168,6 +168,25 @@ def test_decode_matches_generate_and_drops_stopped_rows(tokenizer, tiny_llama):
     assert [row.tolist() for row in nucleus] == [row.tolist() for row in free]
 
 
+def test_nucleus_sampling_draws_from_the_nucleus_alone(monkeypatch):
+    """`_pick`: each row samples from its smallest prefix of probability >= top_p, renormalised, whether that
+    nucleus lies within the top-k candidates (a peaked row) or reaches past them (a flat row sorts the vocabulary)."""
+    vocab, rows = 2048, 3000
+    monkeypatch.setattr(corpus, "NUCLEUS_CANDIDATES", 512)
+    peaked = torch.full((vocab,), -30.0)
+    peaked[:4] = torch.tensor([3.0, 2.0, 1.0, -3.0]).log_softmax(-1)  # nucleus at top_p 0.95: tokens 0, 1, 2
+    flat = torch.linspace(0.0, -0.5, vocab)  # decreasing: the nucleus is a prefix of ~1,900 tokens
+    logits = torch.stack([peaked, flat]).repeat_interleave(rows, dim=0)
+    tokens = corpus._pick(logits, 1.0, 0.95, torch.Generator().manual_seed(0))
+    probs = torch.softmax(flat, -1)
+    flat_nucleus = int(((probs.cumsum(-1) - probs) <= 0.95).sum())
+    assert corpus.NUCLEUS_CANDIDATES < flat_nucleus < vocab
+    head = torch.tensor([3.0, 2.0, 1.0]).softmax(-1)
+    assert torch.allclose(torch.bincount(tokens[:rows], minlength=3)[:3] / rows, head, atol=0.03)
+    assert tokens[:rows].max() < 3
+    assert tokens[rows:].max() < flat_nucleus and (tokens[rows:] >= corpus.NUCLEUS_CANDIDATES).float().mean() > 0.5
+
+
 def test_grow_resumes_without_answering_a_request_twice(tmp_path, tokenizer, tiny_llama):
     functions = [(f"step_{i}", "(x)", f"advance the counter by {i}.") for i in range(4)]
     sets = corpus.PromptSetRequests(functions=functions)

@@ -420,16 +420,31 @@ class PromptSetRequests:
 
 # --------------------------------------------------------------------------------------------------------- answering
 
+# nucleus sampling looks for the nucleus among this many most likely tokens first (a top-k, not a sort of the
+# vocabulary: the sort cost more than the model's step); rows whose nucleus reaches past them sort the vocabulary
+NUCLEUS_CANDIDATES = 2048
+
+
+def _sample_nucleus(sorted_probs: torch.Tensor, order: torch.Tensor, top_p: float, generator) -> torch.Tensor:
+    """One token per row from probabilities sorted in descending order (`[B, K]`, token ids `order`): the smallest
+    prefix reaching `top_p` is kept."""
+    outside = sorted_probs.cumsum(-1) - sorted_probs > top_p
+    choice = torch.multinomial(sorted_probs.masked_fill(outside, 0.0), 1, generator=generator)
+    return order.gather(-1, choice).squeeze(-1)
+
+
 def _pick(logits: torch.Tensor, temperature: float, top_p: float, generator) -> torch.Tensor:
     """Next tokens `[B]` from last-position logits `[B, V]`: argmax when `temperature` is 0, else nucleus sampling."""
     if temperature <= 0:
         return logits.argmax(-1)
     probs = torch.softmax(logits.float() / temperature, dim=-1)
-    sorted_probs, order = probs.sort(dim=-1, descending=True)
-    outside = sorted_probs.cumsum(-1) - sorted_probs > top_p  # the smallest prefix reaching top_p is kept
-    sorted_probs = sorted_probs.masked_fill(outside, 0.0)
-    choice = torch.multinomial(sorted_probs, 1, generator=generator)
-    return order.gather(-1, choice).squeeze(-1)
+    candidates, order = probs.topk(min(NUCLEUS_CANDIDATES, probs.shape[-1]), dim=-1)
+    wide = candidates.sum(-1) <= top_p  # the nucleus may hold tokens past the candidates
+    tokens = torch.empty(len(probs), dtype=torch.long)
+    tokens[~wide] = _sample_nucleus(candidates[~wide], order[~wide], top_p, generator)
+    if wide.any():
+        tokens[wide] = _sample_nucleus(*probs[wide].sort(dim=-1, descending=True), top_p, generator)
+    return tokens
 
 
 @torch.no_grad()
