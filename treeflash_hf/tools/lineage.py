@@ -129,8 +129,9 @@ def record_point(path: Path, measure: str, point: dict) -> dict:
 
 
 def run(args: argparse.Namespace) -> int:
-    from transformers import AutoModel, AutoModelForCausalLM, AutoTokenizer
+    from transformers import AutoModel, AutoTokenizer
 
+    from .. import reference
     from ..recipes.pairs import pair_dirs
     from ..recipes.prompt_sets import load_prompts
 
@@ -138,7 +139,7 @@ def run(args: argparse.Namespace) -> int:
                          or len(args.drafters) != 1):
         raise ValueError("--lineage records one drafter as one point: pass a single --drafters folder with --label, "
                          "--answer-tokens and --cpu-minutes.")
-    target_dir, _, tokenizer_dir = pair_dirs(args.pair)
+    tokenizer_dir = pair_dirs(args.pair)[2]
     tokenizer = AutoTokenizer.from_pretrained(tokenizer_dir)
     prompts = [tokenizer(text, return_tensors="pt", add_special_tokens=False)["input_ids"][:, -256:]
                for text in load_prompts(args.prompts, args.num_prompts, tokenizer)]
@@ -150,9 +151,7 @@ def run(args: argparse.Namespace) -> int:
     if args.lineage:
         check_measure(Path(args.lineage), measure)
     torch.set_num_threads(args.threads)
-    import treeflash_hf  # noqa: F401  (registers the drafter class)
-
-    target = AutoModelForCausalLM.from_pretrained(target_dir, dtype=torch.float32, attn_implementation="sdpa").eval()
+    target, _, _ = reference.load(args.pair, dtype=torch.float32)
     for folder in args.drafters:
         drafter = AutoModel.from_pretrained(folder, dtype=torch.float32).eval()
         taus = group_taus(target, drafter, prompts, args.groups, args.budget, args.max_new_tokens)
