@@ -296,6 +296,36 @@ def test_finished_schedule_continues_at_its_floor_learning_rate(tmp_path, tiny):
     assert all(lr_factor(s, extended) == pytest.approx(0.1) for s in range(100, 160))
 
 
+@pytest.mark.parametrize("replan", [False, True])
+def test_a_replanned_schedule_ends_its_cosine_with_the_time_budget(tmp_path, monkeypatch, replan):
+    import types
+
+    from treeflash_hf.training import loop as loop_module
+    from treeflash_hf.training.loop import LossTerms, train_loop
+
+    clock = [0.0]
+    monkeypatch.setattr(loop_module, "time", types.SimpleNamespace(time=lambda: clock[0]))
+    model = torch.nn.Linear(2, 1)
+
+    def loss_fn(step, shard):
+        clock[0] += 1.0  # every step takes one second of the fake clock
+        return LossTerms(loss_sum=model(torch.ones(1, 2)).pow(2).sum(), weight=1.0)
+
+    # a probe planned 10 steps for a minute, but 60 fit it
+    config = LoopConfig(run_dir=str(tmp_path / "run"), max_steps=10, max_minutes=1.0, warmup_steps=2, save_every=5,
+                        eval_every=1000, replan=replan)
+    summary = train_loop(model, loss_fn, None, config)
+    if not replan:
+        assert summary["steps"] == 10
+        return
+    assert 58 <= summary["steps"] <= 62
+    assert summary["curve"][-1]["lr"] == pytest.approx(config.lr * config.min_lr_ratio, rel=0.05)
+    assert summary["curve"][30]["lr"] > 0.4 * config.lr  # mid-budget, mid-cosine: not already at the floor
+    from treeflash_hf.training.checkpoint import latest_checkpoint, load_checkpoint
+
+    assert load_checkpoint(latest_checkpoint(tmp_path / "run"))["max_steps"] == config.max_steps  # a resume keeps it
+
+
 def test_drafter_init_copies_weights_or_names_the_mismatch(tmp_path, tiny):
     from treeflash_hf.recipes.tiny_suite import load_drafter_weights
 

@@ -263,8 +263,9 @@ def new_drafter(target, args: argparse.Namespace, tokenizer):
 def train_stage(stage: str, target, drafter, store, run_dir: Path, args, minutes: float | None = None,
                 fixed_steps: int | None = None, full_finetune: bool = False) -> dict:
     """One drafter stage on the cached features `store`, resumable from `run_dir`: `fixed_steps` steps, or as many as
-    fit `minutes` (measured on a few steps; the stop is also time-bounded then). `args`: `num_anchors`,
-    `batch_size`, `lr`, `seed`. `full_finetune`: stage ar trains the backbone too."""
+    fit `minutes` (first estimated on a few steps, then re-estimated from the pace at every save, so the cosine
+    ends with the time). `args`: `num_anchors`, `batch_size`, `lr`, `seed`. `full_finetune`: stage ar trains the
+    backbone too."""
     from .tiny_suite import schedule_length
     from ..training.drafter import DrafterLossConfig, block_loss_terms, freeze_for_stage, sample_anchors
     from ..training.loop import LoopConfig, LossTerms, Shard, train_loop
@@ -305,7 +306,8 @@ def train_stage(stage: str, target, drafter, store, run_dir: Path, args, minutes
     max_steps = schedule_length(run_dir, minutes, probe, fixed_steps=fixed_steps)
     config = LoopConfig(run_dir=str(run_dir), max_steps=max_steps, max_minutes=minutes, batch_size=args.batch_size,
                         lr=args.lr, warmup_steps=min(50, max_steps // 10), eval_every=max(10, max_steps // 8),
-                        save_every=max(10, max_steps // 16), seed=args.seed, resume=True, mixed_precision="bf16")
+                        save_every=max(10, max_steps // 16), seed=args.seed, resume=True, mixed_precision="bf16",
+                        replan=fixed_steps is None and minutes is not None)
     return train_loop(drafter, loss_fn, eval_fn, config, f"drafter-{stage}")
 
 

@@ -31,7 +31,9 @@ class LoopConfig:
     save_every: in steps; resume: continue from `latest`; mixed_precision: "no", "bf16" or "fp16"
     (accelerate's autocast around every loss and evaluation; the weights and optimizer state stay float32);
     cosine_steps: where the cosine reaches `min_lr_ratio` (default `max_steps`); steps past it stay at the floor,
-    so a finished schedule can be continued by raising `max_steps` alone."""
+    so a finished schedule can be continued by raising `max_steps` alone; replan: `max_steps` is only a first
+    estimate of what fits `max_minutes`, re-estimated from this run's pace at every save so the cosine ends with
+    the time (a pace probed on a loaded machine otherwise leaves the rest of the budget unused)."""
 
     run_dir: str
     max_steps: int = 1000
@@ -48,6 +50,7 @@ class LoopConfig:
     resume: bool = False
     mixed_precision: str = "no"
     cosine_steps: int | None = None
+    replan: bool = False
     extra: dict = field(default_factory=dict)
 
 
@@ -82,6 +85,13 @@ def lr_factor(step: int, config: LoopConfig) -> float:
     cosine_steps = config.cosine_steps or config.max_steps
     progress = min(1.0, (step - config.warmup_steps) / max(1, cosine_steps - config.warmup_steps))
     return config.min_lr_ratio + (1 - config.min_lr_ratio) * 0.5 * (1 + math.cos(math.pi * progress))
+
+
+def replanned_steps(step: int, steps_this_run: int, elapsed: float, max_minutes: float) -> int:
+    """The schedule length that spends what is left of `max_minutes` at the pace of this run so far
+    (`steps_this_run` steps in `elapsed` seconds); never shorter than the next step."""
+    pace = elapsed / max(1, steps_this_run)
+    return max(step + 1, step + int((max_minutes * 60 - elapsed) / pace))
 
 
 def ratios(totals: dict[str, tuple[float, float]]) -> dict[str, float]:
@@ -177,6 +187,8 @@ def train_loop(
         scheduler.load_state_dict(state["scheduler"])
         set_rng_state(state["rng"])
         start_step, curve, runs = state["step"], state.get("curve", []), state.get("runs", [])
+        if config.replan and "max_steps" in state:  # the last plan, until this run has a pace of its own
+            config.max_steps = state["max_steps"]
         accelerator.print(f"resumed from {checkpoint} at step {start_step}")
 
     def this_run() -> dict:
@@ -187,7 +199,8 @@ def train_loop(
         """The main process writes; the others wait until the checkpoint is complete."""
         if accelerator.is_main_process:
             state = {"model": model.state_dict(), "optimizer": optimizer.state_dict(),
-                     "scheduler": scheduler.state_dict(), "curve": curve, "runs": runs + [this_run()]}
+                     "scheduler": scheduler.state_dict(), "curve": curve, "runs": runs + [this_run()],
+                     "max_steps": config.max_steps}
             meta = {"config": asdict(config), "description": description, "num_processes": shard.count}
             save_checkpoint(run_dir, step, state, meta)
             (run_dir / "curve.jsonl").write_text("".join(json.dumps(row) + "\n" for row in curve))
@@ -233,6 +246,11 @@ def train_loop(
                                                            if k.startswith("eval_")))
         curve.append(row)
         if step % config.save_every == 0 or step == config.max_steps or out_of_time:
+            if config.replan and config.max_minutes is not None and not out_of_time and step < config.max_steps:
+                planned = replanned_steps(step, step - start_step, elapsed, config.max_minutes)
+                if shard.count > 1:  # the main process's plan, on every process
+                    planned = int(global_sums([planned if accelerator.is_main_process else 0])[0])
+                config.max_steps = bar.total = planned
             save(step)
         if out_of_time:
             accelerator.print(f"time budget of {config.max_minutes} min spent at step {step}")
