@@ -65,6 +65,23 @@ def test_lazy_and_batched_stage_two_build_the_same_tree(qwen3_pair):
         assert batched.size <= budget and (batched.depths.max() > 1 or budget < 16)
 
 
+def test_stage_two_scores_at_least_the_top_m_tokens_so_every_tree_node_can_have_children(qwen3_pair):
+    from treeflash_hf.engine.draft import MIN_AR_SHORTLIST, LazyARChildren
+
+    target, _ = qwen3_pair
+    drafter = randomise_ar_layer(matching_drafter(target, seed=1), std=0.05)
+    prompt = torch.tensor([[3, 1, 4, 1, 5, 9, 2]])
+    small = TreeOptions(tree_mode="treeflash", tree_budget=64, tree_top_m=4, tree_top_k=5)
+    assert draft_once(target, drafter, prompt, small)[1].shortlist.tokens.shape[-1] == MIN_AR_SHORTLIST
+    options = TreeOptions(tree_mode="treeflash", tree_budget=64, tree_top_m=100, tree_top_k=5)
+    generator, block = draft_once(target, drafter, prompt, options)
+    assert block.shortlist.tokens.shape[-1] == 100  # a CPU shortlist as wide as M
+    tree = generator.build_tree(block, 64)
+    expandable = LazyARChildren(generator, block)
+    inner = [(d, t) for d, t in zip(tree.depths.tolist(), tree.tokens.tolist()) if 0 < d < block.depth]
+    assert inner and all(expandable.has_children(d, t) for d, t in inner)
+
+
 def test_trees_of_a_few_scored_depths_are_the_trees_of_every_depth(qwen3_pair):
     target, _ = qwen3_pair
     drafter = randomise_ar_layer(matching_drafter(target, seed=1), std=0.05)

@@ -158,4 +158,5 @@ def test_drafter_tau_records_a_lineage_point_and_its_plot(suite, tmp_path):
     assert "fit" in recorded and lineage.with_suffix(".png").stat().st_size > 0
     assert main(common[:-2] + ["--budget", "4", "--lineage", str(lineage), "--label", "c", "--answer-tokens", "10",
                                "--cpu-minutes", "1"]) == 1  # another measure: refused, the file kept
+    assert main(common + ["--tree-top-m", "2", "--label", "c", "--answer-tokens", "10", "--cpu-minutes", "1"]) == 1
     assert json.loads(lineage.read_text()) == recorded

@@ -363,3 +363,17 @@ def test_a_new_drafter_can_start_from_the_target_s_last_layers(arch):
     assert not torch.equal(fresh.layers[0].self_attn.q_proj.weight, drafter.layers[0].self_attn.q_proj.weight)
     with pytest.raises(ValueError, match="only 3"):
         new_drafter(target, 4, block_size=4, mask_token_id=1, layer_init="target")
+
+
+def test_an_exported_summary_keeps_evaluated_rows_every_tenth_step_and_the_last():
+    from treeflash_hf.recipes.drafter_recipe import thinned_curve
+
+    curve = [{"step": s, "loss": 1.0 / s} for s in range(1, 26)]
+    curve[6]["eval_ar_kl"] = 0.5  # step 7 was evaluated
+    stage = {"steps": 25, "minutes": 1.0, "curve": curve}
+    thinned = thinned_curve(stage)
+    kept = thinned["curve"]
+    assert [row["step"] for row in kept] == [7, 10, 20, 25]
+    assert kept[0]["eval_ar_kl"] == 0.5 and kept[-1]["loss"] == 1.0 / 25
+    assert stage["curve"] is curve and len(curve) == 25  # the work folder's summary is left whole
+    assert {k: v for k, v in thinned.items() if k != "curve"} == {"steps": 25, "minutes": 1.0}

@@ -143,6 +143,7 @@ def dense_weight_candidate(module) -> torch.Tensor | None:
 
 # A float32 head of at least this many elements (16 MB) is worth a measured bfloat16 copy for drafting on a CPU.
 FAST_COPY_MIN_ELEMENTS = 4 * 2**20
+MIN_AR_SHORTLIST = 64  # stage-2 candidates per depth on a CPU when M is smaller (a C*H product per AR row)
 CPU_CALL_MACS = 3e7  # a CPU module call's fixed cost, in multiply-adds of work (docs/design.md)
 SCORED_ROWS = 16  # rows of a typical drafting product with the head: one block's depths, or a few rows' worth
 TIMED_HEAD_ROWS = 16384  # head rows the dtype comparison multiplies (the product's cost is linear in them)
@@ -352,10 +353,13 @@ class TreeDrafter:
         ar_layer = drafter.ar_approximation
         row_macs = ar_layer.ug.weight.numel() + ar_layer.d.weight.numel()
         self.call_cost_in_rows = CPU_CALL_MACS / row_macs if drafter.device.type == "cpu" else float("inf")
-        # Stage-2 vocabulary: on a CPU a full-vocabulary row costs a V*H product (the whole lm_head read per call),
-        # so AR rows are scored on the marginal's top `ar_shortlist` tokens of their depth (see `Shortlist`);
-        # None scores the full vocabulary (the default on accelerators, where a big product is nearly free).
-        self.ar_shortlist: int | None = 64 if drafter.device.type == "cpu" else None
+        # Stage-2 vocabulary: AR rows are scored on the marginal's top `ar_shortlist` tokens of their depth (see
+        # `Shortlist`), at least the M tokens per depth that the top tree may expand, so that every node of the tree
+        # can have children. On a CPU a full-vocabulary row costs a V*H product (the whole lm_head read per call);
+        # on an accelerator it is nearly free, and None (the full vocabulary) is kept while the M*D' rows stay few.
+        top_m = options.tree_top_m
+        on_cpu = drafter.device.type == "cpu"
+        self.ar_shortlist: int | None = max(top_m, MIN_AR_SHORTLIST) if on_cpu or top_m > MIN_AR_SHORTLIST else None
         self.device = drafter.device  # read once: a model's `device` property walks its parameters
         # transformers' assisted loop merges this into the target's forward kwargs.
         self.model_kwargs_overrides = {"output_hidden_states": [i + 1 for i in self.target_layer_ids]}

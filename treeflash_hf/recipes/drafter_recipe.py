@@ -486,20 +486,32 @@ def add_draft_vocab_note(folder: Path, sizes: dict) -> None:
     readme.write_text(f"{text}\n\n{note}" if text else note)
 
 
+CURVE_EVERY = 10  # training rows a bundled summary keeps: every 10th step (a row a step made it ~1 MB)
+
+
+def thinned_curve(stage_summary: dict, every: int = CURVE_EVERY) -> dict:
+    """A stage's summary with its curve cut to its evaluated rows, every `every`-th step and the last step (the
+    work folder keeps every row)."""
+    curve = stage_summary.get("curve", [])
+    kept = [row for i, row in enumerate(curve) if row.get("step", i + 1) % every == 0 or i == len(curve) - 1
+            or any(key.startswith("eval_") for key in row)]
+    return {**stage_summary, "curve": kept}
+
+
 def export(drafter, out: Path, summary: dict, target_quant: str = "none",
            stage_keys: tuple[str, ...] = ("backbone", "ar")) -> None:
     """The drafter in bfloat16 with the reference tree defaults, its training summary and README; `stage_keys`: the
     summary entries of the stages that made it, in order."""
     from .tiny_suite import write_readme
 
-    defaults = {"tree_budget": "auto", "tree_mode": "treeflash", "tree_top_m": 8, "tree_top_k": 8}
+    defaults = {"tree_budget": "auto", "tree_mode": "treeflash", "tree_top_m": 256, "tree_top_k": 16}
     for name, value in defaults.items():
         setattr(drafter.config, name, value)
         setattr(drafter.generation_config, name, value)
     for param in drafter.parameters():
         param.requires_grad = True
     drafter.to(torch.bfloat16).save_pretrained(out)
-    stages = {k: summary[k] for k in stage_keys if k in summary}
+    stages = {k: thinned_curve(summary[k]) for k in stage_keys if k in summary}
     (out / "training_summary.json").write_text(json.dumps({**stages, "data": summary.get("data", {}),
                                                            "data_added": summary.get("data_added", []),
                                                            "distill_minutes": summary.get("distill_minutes"),

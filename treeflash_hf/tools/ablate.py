@@ -43,12 +43,14 @@ def variant_drafter(base, overrides: dict):
     return model.eval()
 
 
-def greedy_tau(target, drafter, prompts_ids, budget: int, max_new_tokens: int) -> float:
+def greedy_tau(target, drafter, prompts_ids, budget: int, max_new_tokens: int, tree_options: dict | None = None
+               ) -> float:
+    """Greedy τ of `treeflash` with the drafter alone; `tree_options` (e.g. `tree_top_m`) override its defaults."""
     accepted, steps = 0, 0
     for ids in prompts_ids:
         out = target.generate(ids, assistant_model=drafter, max_new_tokens=max_new_tokens, do_sample=False,
                               tree_mode="treeflash", tree_budget=budget, tree_lookup=0,  # the drafter alone
-                              return_dict_in_generate=True)
+                              return_dict_in_generate=True, **(tree_options or {}))
         accepted += sum(out.accepted_lengths)
         steps += len(out.accepted_lengths)
     return 1 + accepted / max(steps, 1)

@@ -4,7 +4,9 @@
 `treeflash` with the drafter alone (no prompt lookup), one tree budget, greedy, on the first `--num-prompts` requests
 of a prompt set (SmolLM2: `instruct-heldout`, which no drafter trains on). The requests are split into `--groups`
 equal groups in order; the figure is the mean of the groups' τ, and the groups' spread says how much a difference
-between two drafters means. τ does not depend on timing, so it can be measured beside other jobs.
+between two drafters means. The tree's `tree_top_m` and `tree_top_k` are each drafter's own unless `--tree-top-m` /
+`--tree-top-k` fix them (then the measure names them): a lineage fixes them, so that its points differ only in the
+drafters. τ does not depend on timing, so it can be measured beside other jobs.
 
 With `--lineage FILE --label NAME`, the measured drafter becomes the point NAME of a lineage (replacing a point of
 that name): the chat answer tokens it was trained on and the CPU minutes of training behind it, cumulative over the
@@ -38,12 +40,13 @@ def host() -> str:
 
 
 def group_taus(target, drafter, prompts_ids: list[torch.LongTensor], groups: int, budget: int,
-               max_new_tokens: int) -> list[float]:
-    """τ of each of `groups` equal, consecutive groups of `prompts_ids` (`[1, S]` each); a remainder is dropped."""
+               max_new_tokens: int, tree_options: dict | None = None) -> list[float]:
+    """τ of each of `groups` equal, consecutive groups of `prompts_ids` (`[1, S]` each); a remainder is dropped.
+    `tree_options` override the drafter's tree defaults (`greedy_tau`)."""
     from .ablate import greedy_tau
 
     size = len(prompts_ids) // groups
-    return [greedy_tau(target, drafter, prompts_ids[g * size:(g + 1) * size], budget, max_new_tokens)
+    return [greedy_tau(target, drafter, prompts_ids[g * size:(g + 1) * size], budget, max_new_tokens, tree_options)
             for g in range(groups)]
 
 
@@ -146,7 +149,11 @@ def run(args: argparse.Namespace) -> int:
     if len(prompts) < args.groups:
         raise ValueError(f"{len(prompts)} prompts cannot make {args.groups} groups: lower --groups or raise "
                          "--num-prompts.")
-    measure = (f"float32 greedy tau@{args.budget} (treeflash, no lookup), {len(prompts)} {args.prompts} requests, "
+    tree_options = {name: value for name, value in (("tree_top_m", args.tree_top_m), ("tree_top_k", args.tree_top_k))
+                    if value is not None}
+    shape = ", ".join(f"top-{name[-1].upper()} {value}" for name, value in tree_options.items())
+    measure = (f"float32 greedy tau@{args.budget} (treeflash, no lookup{', ' + shape if shape else ''}), "
+               f"{len(prompts)} {args.prompts} requests, "
                f"{args.max_new_tokens} new tokens, mean of {args.groups} groups")
     if args.lineage:
         check_measure(Path(args.lineage), measure)
@@ -154,7 +161,7 @@ def run(args: argparse.Namespace) -> int:
     target, _, _ = reference.load(args.pair, dtype=torch.float32)
     for folder in args.drafters:
         drafter = AutoModel.from_pretrained(folder, dtype=torch.float32).eval()
-        taus = group_taus(target, drafter, prompts, args.groups, args.budget, args.max_new_tokens)
+        taus = group_taus(target, drafter, prompts, args.groups, args.budget, args.max_new_tokens, tree_options)
         tau = statistics.fmean(taus)
         print(f"{folder}: tau@{args.budget} {tau:.3f} (groups: {', '.join(f'{t:.3f}' for t in taus)})", flush=True)
         if args.lineage:
@@ -180,6 +187,9 @@ def add_parser(subparsers) -> None:
     parser.add_argument("--groups", type=positive_int, default=3, help="equal groups of requests (default 3)")
     parser.add_argument("--budget", type=positive_int, default=16, help="tree budget (default 16)")
     parser.add_argument("--max-new-tokens", type=positive_int, default=128)
+    parser.add_argument("--tree-top-m", type=positive_int,
+                        help="M, tokens per depth of the top tree (default: each drafter's own); a lineage keeps one")
+    parser.add_argument("--tree-top-k", type=positive_int, help="K, children per node (default: each drafter's own)")
     parser.add_argument("--threads", type=positive_int, default=1)
     parser.add_argument("--lineage", help="a lineage JSON file to record the drafter in as one point")
     parser.add_argument("--label", help="the point's name (replaces a point of that name)")
