@@ -109,8 +109,8 @@ def check_measure(path: Path, measure: str) -> None:
     recorded = json.loads(path.read_text()).get("measure") if path.exists() else measure
     if recorded != measure:
         raise ValueError(f"{path} holds points measured as {recorded!r}, not {measure!r}: measure the same way "
-                         "(the same --prompts, --num-prompts, --groups, --budget, --max-new-tokens), or start another "
-                         "lineage file.")
+                         "(the same --prompts, --num-prompts, --groups, --budget, --max-new-tokens, --tree-top-m, "
+                         "--tree-top-k), or start another lineage file.")
 
 
 def record_point(path: Path, measure: str, point: dict) -> dict:
@@ -149,10 +149,10 @@ def run(args: argparse.Namespace) -> int:
     if len(prompts) < args.groups:
         raise ValueError(f"{len(prompts)} prompts cannot make {args.groups} groups: lower --groups or raise "
                          "--num-prompts.")
-    tree_options = {name: value for name, value in (("tree_top_m", args.tree_top_m), ("tree_top_k", args.tree_top_k))
-                    if value is not None}
-    shape = ", ".join(f"top-{name[-1].upper()} {value}" for name, value in tree_options.items())
-    measure = (f"float32 greedy tau@{args.budget} (treeflash, no lookup{', ' + shape if shape else ''}), "
+    labels = {"tree_top_m": "top-M", "tree_top_k": "top-K"}  # the options that fix the tree, as the measure names them
+    tree_options = {name: getattr(args, name) for name in labels if getattr(args, name) is not None}
+    shape = "".join(f", {labels[name]} {value}" for name, value in tree_options.items())
+    measure = (f"float32 greedy tau@{args.budget} (treeflash, no lookup{shape}), "
                f"{len(prompts)} {args.prompts} requests, "
                f"{args.max_new_tokens} new tokens, mean of {args.groups} groups")
     if args.lineage:
