@@ -82,8 +82,8 @@ class OracleCandidateGenerator(TreeDrafter):
                 log_probs.view_as(child_log_probs[row])
         return child_tokens, child_log_probs, top
 
-    def ar_rows(self, block, parent_depths, parent_tokens):
-        child_tokens, child_log_probs = super().ar_rows(block, parent_depths, parent_tokens)
+    def ar_rows(self, inputs, row_index, parent_depths, parent_tokens):
+        child_tokens, child_log_probs = super().ar_rows(inputs, row_index, parent_depths, parent_tokens)
         return self._rig(parent_depths, parent_tokens, child_tokens, child_log_probs)
 
     def _rig(self, parent_depths, parent_tokens, child_tokens, child_log_probs):

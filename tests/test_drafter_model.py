@@ -65,8 +65,34 @@ def test_lazy_and_batched_stage_two_build_the_same_tree(qwen3_pair):
         assert batched.size <= budget and (batched.depths.max() > 1 or budget < 16)
 
 
+def test_lazy_stage_two_computes_every_row_in_shared_rounds_and_builds_the_batched_trees(qwen3_pair):
+    target, _ = qwen3_pair
+    lookups = [None, ([5, 9, 2], [-0.5, -0.7, -0.9])]  # a lookup branch below the second row's root
+    for variant in ({}, {"ar_num_prev_tokens": 2}):
+        drafter = randomise_ar_layer(matching_drafter(target, seed=1, **variant), std=0.05)
+        options = TreeOptions(tree_mode="treeflash", tree_budget=16, tree_top_m=6, tree_top_k=5)
+        generator, first = draft_once(target, drafter, torch.tensor([[3, 1, 4, 1, 5, 9, 2]]), options)
+        second = draft_once(target, drafter, torch.tensor([[2, 7, 1, 8, 2, 8]]), options)[1]
+
+        def lazy(blocks, row_lookups):
+            generator.ar_evaluation = "lazy"
+            with mock.patch.object(generator, "ar_rows", wraps=generator.ar_rows) as calls:
+                trees = generator.build_trees(blocks, 16, row_lookups).trees
+            return trees, calls.call_count
+
+        generator.ar_evaluation = "batched"
+        batched = generator.build_trees([first, second], 16, lookups).trees
+        trees, calls = lazy([first, second], lookups)
+        for expected, tree in zip(batched, trees):
+            assert torch.equal(expected.tokens, tree.tokens) and torch.equal(expected.parents, tree.parents)
+        assert int(trees[0].depths.max()) > 1 and 5 in trees[1].tokens.tolist()
+        # one call per round for every row: as many as the row that needs the most rounds alone
+        alone = [lazy([block], [lookup])[1] for block, lookup in zip([first, second], lookups)]
+        assert 1 <= calls == max(alone) < 16, (calls, alone)
+
+
 def test_stage_two_scores_at_least_the_top_m_tokens_so_every_tree_node_can_have_children(qwen3_pair):
-    from treeflash_hf.engine.draft import MIN_AR_SHORTLIST, LazyARChildren
+    from treeflash_hf.engine.draft import MIN_AR_SHORTLIST
 
     target, _ = qwen3_pair
     drafter = randomise_ar_layer(matching_drafter(target, seed=1), std=0.05)
@@ -77,9 +103,9 @@ def test_stage_two_scores_at_least_the_top_m_tokens_so_every_tree_node_can_have_
     generator, block = draft_once(target, drafter, prompt, options)
     assert block.shortlist.tokens.shape[-1] == 100  # a CPU shortlist as wide as M
     tree = generator.build_tree(block, 64)
-    expandable = LazyARChildren(generator, block)
+    top = generator.top_tokens(block)  # S_d: the nodes that can have children
     inner = [(d, t) for d, t in zip(tree.depths.tolist(), tree.tokens.tolist()) if 0 < d < block.depth]
-    assert inner and all(expandable.has_children(d, t) for d, t in inner)
+    assert inner and all(t in top[d - 1] for d, t in inner)
 
 
 def test_trees_of_a_few_scored_depths_are_the_trees_of_every_depth(qwen3_pair):

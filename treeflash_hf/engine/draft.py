@@ -95,6 +95,21 @@ class ARTable:
         return children_of
 
 
+@dataclass
+class StageTwoInputs:
+    """What stage 2 reads of the rows of one draft, stacked once per tree step.
+
+    hidden: `[R, D'+1, H]` the backbone outputs before the final norm (slot d + 1 is corrected for the children of
+    a depth-d parent); shortlist_tokens `[R, D, C]` and log_mass `[R, D]`: the rows' shortlists (None: the full
+    vocabulary); prev2_tokens: `[R, D+2]`, entry d the token two back of a depth-d parent (None: an AR layer that
+    reads one previous token)."""
+
+    hidden: torch.Tensor
+    shortlist_tokens: torch.LongTensor | None
+    log_mass: torch.Tensor | None
+    prev2_tokens: torch.LongTensor | None
+
+
 def draft_vocabulary(drafter) -> torch.LongTensor | None:
     """The drafter's draft vocabulary `draft_token_ids [V']` (None: it drafts from every token), checked: a
     corrupt one would draft tokens the target does not have."""
@@ -145,6 +160,8 @@ def dense_weight_candidate(module) -> torch.Tensor | None:
 FAST_COPY_MIN_ELEMENTS = 4 * 2**20
 MIN_AR_SHORTLIST = 64  # stage-2 candidates per depth on a CPU when M is smaller (a C*H product per AR row)
 CPU_CALL_MACS = 3e7  # a CPU module call's fixed cost, in multiply-adds of work (docs/design.md)
+LAZY_CALLS = 3  # calls (rounds) of a lazy stage 2 per tree step, and the AR rows it computes per tree node
+LAZY_ROWS_PER_NODE = 2  # (measured about 2.6-2.9 and 1.6-1.7 on the SmolLM2 pair, docs/design.md)
 SCORED_ROWS = 16  # rows of a typical drafting product with the head: one block's depths, or a few rows' worth
 TIMED_HEAD_ROWS = 16384  # head rows the dtype comparison multiplies (the product's cost is linear in them)
 
@@ -309,10 +326,11 @@ class TargetHead:
             logits = self.call(hidden)
             return logits.gather(-1, tokens[..., None, :].expand(logits.shape[:-1] + tokens.shape[-1:]))
         groups = hidden.reshape(-1, *hidden.shape[-2:]).to(self.weight.dtype)  # [B, G, H] (see `logits`)
-        head_rows = self.weight[tokens.reshape(-1, tokens.shape[-1])]  # [B, C, H]
-        logits = groups @ head_rows.transpose(-1, -2)  # [B, G, C]
+        flat_tokens = tokens.reshape(-1)  # (`index_select`: a CPU gathers rows several times faster than by `[]`)
+        head_rows = self.weight.index_select(0, flat_tokens).view(-1, tokens.shape[-1], self.weight.shape[-1])
+        logits = torch.bmm(groups, head_rows.transpose(-1, -2))  # [B, G, C]
         if self.bias is not None:
-            logits = logits + self.bias[tokens.reshape(-1, tokens.shape[-1])][:, None, :]
+            logits = logits + self.bias.index_select(0, flat_tokens).view(-1, 1, tokens.shape[-1])
         return logits.to(hidden.dtype).view(*hidden.shape[:-1], tokens.shape[-1])
 
 
@@ -344,12 +362,11 @@ class TreeDrafter:
         self.key_valid: torch.BoolTensor | None = None  # [R, L] valid drafter-cache slots (None: all valid)
         # How stage 2 runs (the same tree either way): "batched" evaluates every (depth, top-M token) row of every
         # batch row in one call (about M*Q rows each); "lazy" evaluates only the rows of nodes the best-first
-        # search expands (at most budget - 1), with `ar_prefetch` likely-next rows per call. "auto" picks lazy
-        # when its calls cost less than the batched rows, counting one call as `call_cost_in_rows` rows: on a CPU
-        # a call's fixed cost (CPU_CALL_MACS multiply-adds' worth) over one row's AR-layer multiply-adds;
-        # effectively infinite on a GPU, where one big batch is nearly free.
+        # searches expand, in a few calls (`lazy_trees`). "auto" picks lazy when its calls cost less than the
+        # batched rows, counting one call as `call_cost_in_rows` rows: on a CPU a call's fixed cost
+        # (CPU_CALL_MACS multiply-adds' worth) over one row's AR-layer multiply-adds; effectively infinite on a
+        # GPU, where one big batch is nearly free.
         self.ar_evaluation = ar_evaluation or "auto"
-        self.ar_prefetch = 4
         ar_layer = drafter.ar_approximation
         row_macs = ar_layer.ug.weight.numel() + ar_layer.d.weight.numel()
         self.call_cost_in_rows = CPU_CALL_MACS / row_macs if drafter.device.type == "cpu" else float("inf")
@@ -549,19 +566,27 @@ class TreeDrafter:
         tokens = shortlist_tokens[..., None, :].expand(child.indices.shape[:-1] + shortlist_tokens.shape[-1:])
         return tokens.gather(-1, child.indices), child.values
 
-    def prev2_embeddings(self, blocks: list[BlockDraft], parent_depths: torch.LongTensor) -> torch.Tensor | None:
-        """Embeddings of the token two back of parents at `parent_depths [R, ...]` (2-token AR variant only):
+    def prev2_tokens(self, blocks: list[BlockDraft]) -> torch.LongTensor | None:
+        """`[R, D+2]`, entry d the token two back of a depth-d parent (2-token AR variant only; None otherwise):
         known for depth 0 (the committed token before b) and depth 1 (b); deeper parents use the top-1 marginal
         token of depth d-1 as a stand-in (rows are per (depth, token), not per path)."""
         if not self.two_prev_tokens:
             return None
-        lookup = torch.stack([
+        return torch.stack([
             torch.cat([torch.tensor([max(block.prev_token, 0), block.anchor_token], device=self.device),
                        self.column_tokens(block.marginal_log_probs.argmax(dim=-1))])
             for block in blocks
-        ])  # [R, D+2]: index d -> the token two back of a depth-d parent
-        flat = parent_depths.reshape(len(blocks), -1).to(self.device)
-        return self.embed(lookup.gather(1, flat).view(parent_depths.shape))
+        ])
+
+    def stage_two_inputs(self, blocks: list[BlockDraft]) -> StageTwoInputs:
+        """The rows' `StageTwoInputs` (rows of one draft: the same depths)."""
+        if blocks[0].shortlist is None:
+            shortlist_tokens = log_mass = None
+        else:
+            shortlist_tokens = torch.stack([block.shortlist.tokens for block in blocks])
+            log_mass = torch.stack([block.shortlist.log_mass for block in blocks])
+        return StageTwoInputs(torch.stack([block.pre_norm_hidden for block in blocks]), shortlist_tokens, log_mass,
+                              self.prev2_tokens(blocks))
 
     @torch.no_grad()
     def ar_tables(self, blocks: list[BlockDraft], max_depth: int) -> list[ARTable]:
@@ -580,38 +605,38 @@ class TreeDrafter:
         top_m = top.shape[-1]
         anchors = torch.tensor([block.anchor_token for block in blocks], device=device)
         parents = torch.cat([anchors[:, None, None].expand(num_rows, 1, top_m), top.to(device)], dim=1)  # [R, D', M]
-        parent_depths = torch.arange(max_depth, device=device)[None, :, None].expand(num_rows, -1, top_m)
-        hidden = torch.stack([block.pre_norm_hidden for block in blocks])[:, 1 : max_depth + 1]  # [R, D', H]
+        inputs = self.stage_two_inputs(blocks)
+        hidden = inputs.hidden[:, 1 : max_depth + 1]  # [R, D', H]
+        prev2 = inputs.prev2_tokens
         corrected = self.drafter.ar_corrected_hidden_states(
             hidden[:, :, None].expand(-1, -1, top_m, -1), self.embed(parents),
-            self.prev2_embeddings(blocks, parent_depths),
+            None if prev2 is None else self.embed(prev2[:, :max_depth, None].expand(-1, -1, top_m)),
         )  # [R, D', M, H]
-        if blocks[0].shortlist is None:
+        if inputs.shortlist_tokens is None:
             child_tokens, child_log_probs = self.score_rows(corrected, None, None)
-        else:
-            shortlist = torch.stack([block.shortlist.tokens for block in blocks])[:, :max_depth]  # [R, D', C]
-            log_mass = torch.stack([block.shortlist.log_mass for block in blocks])[:, :max_depth]  # [R, D']
-            child_tokens, child_log_probs = self.score_rows(corrected, shortlist, log_mass)
+        else:  # [R, D', C] and [R, D']
+            child_tokens, child_log_probs = self.score_rows(corrected, inputs.shortlist_tokens[:, :max_depth],
+                                                            inputs.log_mass[:, :max_depth])
         return child_tokens, child_log_probs, parents
 
     @torch.no_grad()
-    def ar_rows(
-        self, block: BlockDraft, parent_depths: torch.LongTensor, parent_tokens: torch.LongTensor
-    ) -> tuple[torch.LongTensor, torch.Tensor]:
-        """Stage 2 for chosen parents of one row (lazy evaluation): the top-K children (depth d+1) of a node
-        carrying `parent_tokens[i]` at depth `d = parent_depths[i]`. Returns `child_tokens [G, K]` and
-        `child_log_probs [G, K]`, sorted by decreasing log-prob."""
+    def ar_rows(self, inputs: StageTwoInputs, row_index: torch.LongTensor, parent_depths: torch.LongTensor,
+                parent_tokens: torch.LongTensor) -> tuple[torch.LongTensor, torch.Tensor]:
+        """Stage 2 for chosen parents of any rows (lazy evaluation): the top-K children (depth d+1) of a node carrying
+        `parent_tokens[i]` at depth `d = parent_depths[i]` of the row `row_index[i]` (all `[G]`). Returns
+        `child_tokens [G, K]` and `child_log_probs [G, K]`, sorted by decreasing log-prob."""
         device = self.device
-        parent_depths, parent_tokens = parent_depths.to(device), parent_tokens.to(device)
+        row_index, parent_depths, parent_tokens = row_index.to(device), parent_depths.to(device), parent_tokens.to(device)
+        prev2 = inputs.prev2_tokens
         corrected = self.drafter.ar_corrected_hidden_states(
-            block.pre_norm_hidden[parent_depths + 1], self.embed(parent_tokens),
-            self.prev2_embeddings([block], parent_depths[None])[0] if self.two_prev_tokens else None,
+            inputs.hidden[row_index, parent_depths + 1], self.embed(parent_tokens),
+            None if prev2 is None else self.embed(prev2[row_index, parent_depths]),
         )  # [G, H]
-        if block.shortlist is None:
+        if inputs.shortlist_tokens is None:
             return self.score_rows(corrected, None, None)
         # each parent is its own group of one row, scored on the shortlist of its children's depth
-        tokens, log_probs = self.score_rows(corrected[:, None], block.shortlist.tokens[parent_depths],
-                                            block.shortlist.log_mass[parent_depths])
+        tokens, log_probs = self.score_rows(corrected[:, None], inputs.shortlist_tokens[row_index, parent_depths],
+                                            inputs.log_mass[row_index, parent_depths])
         return tokens[:, 0], log_probs[:, 0]
 
     def build_tree(self, block: BlockDraft, budget: int, lookup: tuple[list[int], list[float]] | None = None,
@@ -626,7 +651,8 @@ class TreeDrafter:
         """The tree step: each row's tree of at most `budget` nodes (root included) for the configured mode, no deeper
         than `max_depth`. `lookups[r]` = (tokens, conditional log-prob of each) adds a lookup branch below row r's
         root (tree modes; `lookup.py`). Without lookup branches the trees are built for every row at once
-        (`best_first_trees`); a lookup branch, or stage 2 evaluated lazily on a CPU, builds them row by row."""
+        (`best_first_trees`); a lookup branch, or stage 2 evaluated lazily on a CPU, searches row by row (the lazy stage
+        2's calls serve every row at once)."""
         depth = min(blocks[0].depth, budget - 1, blocks[0].depth if max_depth is None else max_depth)
         mode = self.options.tree_mode
         if depth <= 0 or mode == "chain":
@@ -637,10 +663,8 @@ class TreeDrafter:
         roots = torch.tensor([block.anchor_token for block in blocks])
         batched = not any(lookup is not None and lookup[0] for lookup in lookups)  # (a lookup branch: per row)
 
-        def search(block, lookup, children_of, prefetch=None, prefetch_size: int = 0) -> DraftTree:
-            if lookup is not None and lookup[0]:
-                children_of = with_lookup_branch(children_of, *lookup)
-            return best_first_tree(block.anchor_token, children_of, budget, depth, prefetch, prefetch_size)
+        def search(block, lookup, children_of) -> DraftTree:
+            return search_tree(block.anchor_token, children_of, budget, depth, lookup)
 
         if mode == "marginal_tree":
             # row d holds the children at depth d+1, whatever the parent
@@ -653,60 +677,88 @@ class TreeDrafter:
             return TreeBatch.pack([search(block, lookup, table_children(tokens, values, lambda d, token: d))
                                    for block, lookup, tokens, values in zip(blocks, lookups, marginal_tokens,
                                                                             marginal.values)])
-        batched_rows = 1 + (depth - 1) * self.options.tree_top_m
-        lazy_cost = (budget - 1) * self.call_cost_in_rows
-        if self.ar_evaluation == "batched" or (self.ar_evaluation == "auto" and lazy_cost >= batched_rows):
+        # costs in AR rows: one call and every (depth, top-M token) row of each batch row, or a few calls and
+        # about LAZY_ROWS_PER_NODE rows per tree node (a round recomputes what the marginals' guess got wrong)
+        batched_cost = self.call_cost_in_rows + len(blocks) * (1 + (depth - 1) * self.options.tree_top_m)
+        lazy_cost = LAZY_CALLS * self.call_cost_in_rows + len(blocks) * LAZY_ROWS_PER_NODE * (budget - 1)
+        if self.ar_evaluation == "batched" or (self.ar_evaluation == "auto" and lazy_cost >= batched_cost):
             child_tokens, child_log_probs, parents = self.ar_table_tensors(blocks, depth)
             if batched:
                 return best_first_trees(roots, child_tokens, child_log_probs, parents, budget, depth)
             tables = [ARTable(*row) for row in zip(child_tokens.cpu(), child_log_probs.cpu(), parents.cpu())]
             return TreeBatch.pack([search(block, lookup, table.children())
                                    for block, lookup, table in zip(blocks, lookups, tables)])
-        trees = []
-        for block, lookup in zip(blocks, lookups):
-            lazy = LazyARChildren(self, block)
-            # Guess which nodes the search will expand by running it on the marginals (a stand-in for the AR
-            # rows, cheap), compute those rows in one call, then search for real; rows it missed are computed on
-            # demand.
-            marginal = block.marginal_log_probs[:depth]
-            marginal = marginal.topk(min(self.options.tree_top_k, marginal.shape[-1]), dim=-1)
-            stand_in = table_children(self.column_tokens(marginal.indices), marginal.values,
-                                      lambda d, token: d if lazy.has_children(d, token) else -1)
-            guess = best_first_tree(block.anchor_token, stand_in, budget, depth)
-            lazy.prefetch(list(zip(guess.depths.tolist(), guess.tokens.tolist())))
-            trees.append(search(block, lookup, lazy.children_of, lazy.prefetch, self.ar_prefetch))
-        return TreeBatch.pack(trees)
+        return self.lazy_trees(blocks, budget, depth, lookups)
+
+    def lazy_trees(self, blocks: list[BlockDraft], budget: int, depth: int,
+                   lookups: list[tuple[list[int], list[float]] | None]) -> TreeBatch:
+        """`build_trees` with stage 2 evaluated only for the nodes the rows' best-first searches expand, in rounds of
+        one call for every row: each round searches every row with the AR rows known so far (a node without its row
+        takes its depth's marginal top-K as a stand-in and is noted), then computes every noted row. A search
+        follows the exact one up to its first stand-in, so each round extends the exact part: a round without
+        stand-ins gives the exact trees, after at most `budget` calls (about 3 in practice; the first computes the
+        marginals' guess)."""
+        inputs = self.stage_two_inputs(blocks)
+        top = self.top_tokens_of_rows(blocks).cpu()  # [R, D, M]
+        marginal = torch.stack([block.marginal_log_probs[:depth] for block in blocks])  # [R, D, V']
+        marginal = marginal.topk(min(self.options.tree_top_k, marginal.shape[-1]), dim=-1)
+        stand_in = zip(self.column_tokens(marginal.indices).tolist(), marginal.values.tolist())
+        rows = [LazyARChildren(row_top, list(zip(*row_stand_in))) for row_top, row_stand_in in zip(top, stand_in)]
+        for _ in range(budget + 1):  # (each search expands at most `budget` nodes)
+            trees = [search_tree(block.anchor_token, row.children_of, budget, depth, lookup)
+                     for block, row, lookup in zip(blocks, rows, lookups)]
+            missing = [(index, *key) for index, row in enumerate(rows) for key in row.take_missing()]
+            if not missing:
+                return TreeBatch.pack(trees)
+            row_index, parent_depths, parent_tokens = torch.tensor(missing).unbind(1)
+            child_tokens, child_log_probs = self.ar_rows(inputs, row_index, parent_depths, parent_tokens)
+            for (index, *key), tokens, log_probs in zip(missing, child_tokens.tolist(), child_log_probs.tolist()):
+                rows[index].known[tuple(key)] = (tokens, log_probs)
+        raise AssertionError("the lazy stage 2 did not converge")  # (unreachable, see above)
+
+
+def search_tree(root_token: int, children_of, budget: int, depth: int,
+                lookup: tuple[list[int], list[float]] | None) -> DraftTree:
+    """One row's best-first tree, with its lookup branch below the root when it has one."""
+    if lookup is not None and lookup[0]:
+        children_of = with_lookup_branch(children_of, *lookup)
+    return best_first_tree(root_token, children_of, budget, depth)
 
 
 class LazyARChildren:
-    """Stage-2 rows on demand: the AR children of (depth, token) are computed the first time the best-first
-    search expands such a node (batched with the prefetched candidates) and memoised."""
+    """One row's stage-2 rows for the rounds of `TreeDrafter.lazy_trees`: `children_of(depth, token)` gives a
+    node's AR children once `known`; until then its depth's marginal top-K stands in, and the node is noted as
+    missing. Only the root and a node carrying a top-M token of its depth (`S_d`) have children.
 
-    def __init__(self, generator: TreeDrafter, block: BlockDraft):
-        self.generator = generator
-        self.block = block
-        top = generator.top_tokens(block).tolist()
-        self.expandable = [set(row) for row in top]  # S_d for depth d = 1..D
-        self.children: dict[tuple[int, int], ChildList] = {}
+    top: `[D, M]` `S_d` for depths 1..D (on the CPU); stand_in: per depth d = 0..D-1, the marginal top-K (tokens,
+    log-probs) of depth d + 1."""
+
+    def __init__(self, top: torch.LongTensor, stand_in: list[ChildList]):
+        self.top = top
+        self.stand_in = stand_in
+        self.expandable: dict[int, set[int]] = {}  # S_d, made when a search first asks about depth d
+        self.known: dict[tuple[int, int], ChildList] = {}
+        self.missing: dict[tuple[int, int], None] = {}  # (an ordered set)
 
     def has_children(self, depth: int, token: int) -> bool:
         if depth == 0:
             return True
-        return depth < self.block.depth and token in self.expandable[depth - 1]
-
-    def prefetch(self, keys: list[tuple[int, int]]) -> None:
-        missing = list(dict.fromkeys(k for k in keys if k not in self.children and self.has_children(*k)))
-        if not missing:
-            return
-        depths = torch.tensor([d for d, _ in missing], dtype=torch.long)
-        tokens = torch.tensor([t for _, t in missing], dtype=torch.long)
-        child_tokens, child_log_probs = self.generator.ar_rows(self.block, depths, tokens)
-        for key, row_tokens, row_log_probs in zip(missing, child_tokens.tolist(), child_log_probs.tolist()):
-            self.children[key] = (row_tokens, row_log_probs)
+        if depth >= len(self.top):  # (the deepest scored depth has no marginal below it)
+            return False
+        if depth not in self.expandable:
+            self.expandable[depth] = set(self.top[depth - 1].tolist())
+        return token in self.expandable[depth]
 
     def children_of(self, depth: int, token: int) -> ChildList | None:
         if not self.has_children(depth, token):
             return None
-        if (depth, token) not in self.children:
-            self.prefetch([(depth, token)])
-        return self.children[(depth, token)]
+        children = self.known.get((depth, token))
+        if children is None:
+            self.missing[(depth, token)] = None
+            return self.stand_in[depth]
+        return children
+
+    def take_missing(self) -> list[tuple[int, int]]:
+        """The nodes noted since the last call."""
+        missing, self.missing = list(self.missing), {}
+        return missing

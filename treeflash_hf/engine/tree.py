@@ -311,8 +311,6 @@ def best_first_tree(
     children_of: Callable[[int, int], ChildList | None],
     budget: int,
     max_depth: int,
-    prefetch: Callable[[list[tuple[int, int]]], None] | None = None,
-    prefetch_size: int = 0,
 ) -> DraftTree:
     """Best-first search for the `budget`-node tree maximising the sum of path probabilities.
 
@@ -320,10 +318,6 @@ def best_first_tree(
     depth 0), or None for a leaf. Path scores only fall along a path, so the popped set is prefix-closed and is
     the optimal tree for the drafter's own estimate of expected accepted length. Each pop pushes at most two
     entries (the node's next sibling and its best child), so the loop runs `budget - 1` times.
-
-    `prefetch(keys)` (optional) is told, before a node is expanded, the (depth, token) of that node and of the
-    `prefetch_size` best candidates waiting in the heap, so that lazily computed children can be computed in
-    batches.
     """
     node_tokens, node_parents, node_depths, node_scores = [root_token], [-1], [0], [0.0]
     heap: list[tuple[float, int, int, list[int], list[float]]] = []  # (-score, rank, parent, child list)
@@ -332,12 +326,6 @@ def best_first_tree(
         depth = node_depths[node]
         if depth >= max_depth:
             return
-        if prefetch is not None:
-            waiting = heapq.nsmallest(prefetch_size, heap) if prefetch_size else []
-            keys = [(depth, node_tokens[node])]
-            keys += [(node_depths[entry[2]] + 1, entry[3][entry[1]]) for entry in waiting
-                     if node_depths[entry[2]] + 1 < max_depth]
-            prefetch(keys)
         children = children_of(depth, node_tokens[node])
         if children is not None and children[0]:
             tokens, log_probs = children
