@@ -323,7 +323,8 @@ def test_a_replanned_schedule_ends_its_cosine_with_the_time_budget(tmp_path, mon
     assert summary["curve"][30]["lr"] > 0.4 * config.lr  # mid-budget, mid-cosine: not already at the floor
     from treeflash_hf.training.checkpoint import latest_checkpoint, load_checkpoint
 
-    assert load_checkpoint(latest_checkpoint(tmp_path / "run"))["max_steps"] == config.max_steps  # a resume keeps it
+    assert config.max_steps == 10  # the caller's config is left as given
+    assert 58 <= load_checkpoint(latest_checkpoint(tmp_path / "run"))["max_steps"] <= 62  # a resume keeps the plan
 
 
 def test_drafter_init_copies_weights_or_names_the_mismatch(tmp_path, tiny):

@@ -15,7 +15,7 @@ import json
 import math
 import time
 from collections.abc import Callable
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 
 import torch
@@ -151,6 +151,7 @@ def train_loop(
     denominator)` over this process's rows. Returns a summary with the curve (global-batch values)."""
     from accelerate.utils import DistributedType, gather_object
 
+    config = replace(config)  # (a replan changes its max_steps: the caller's config stays as given)
     run_dir = Path(config.run_dir)
     run_dir.mkdir(parents=True, exist_ok=True)
     torch.manual_seed(config.seed)
