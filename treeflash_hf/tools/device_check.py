@@ -6,7 +6,9 @@
 1. Lossless: on a small random Qwen3 in float32, greedy TreeFlash (treeflash and marginal_tree, budgets 16 and 64,
    batch 4) must give exactly plain `generate()`'s tokens.
 2. The step at scale: random-init Qwen3-8B shapes (36 x 4096, GQA 32/8, vocabulary 151,936) in bfloat16 with a
-   one-layer drafter, at batch 1/8/64 and budget 16/64 (greedy, no lookup branch): per decode step the host reads
+   one-layer drafter, at batch 1/8/64, budget 16/64 and top-M 16/256 (greedy, no lookup branch; M 256 is the bundled
+   SmolLM2 drafter's: on an accelerator its stage 2 scores `1 + (D-1)*256` AR rows per batch row, each on a
+   256-token shortlist, where M 16 scores `1 + (D-1)*16` on the whole vocabulary): per decode step the host reads
    (`profile.HostReads`) and, on CUDA, the synchronisations `torch.cuda.set_sync_debug_mode("warn")` reports, the
    engine's operators (kernel launches), and the step's time split into the target's forward (its device time
    from the profiler) and the rest (the engine and the drafter).
@@ -16,6 +18,7 @@ The table is printed and written as JSON to `$OUT/device_check.json` when `$OUT`
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
 import os
 import time
@@ -79,7 +82,7 @@ def build_pair(shapes: dict, device: torch.device, dtype: torch.dtype):
     return pair
 
 
-def step_profile(target, drafter, batch: int, budget: int, new_tokens: int, prompt_len: int,
+def step_profile(target, drafter, batch: int, budget: int, top_m: int, new_tokens: int, prompt_len: int,
                  device: torch.device) -> dict:
     """Per decode step of `batch` random prompts: host reads, CUDA-reported syncs, engine and forward operators,
     step time and the target forward's share of it."""
@@ -99,11 +102,11 @@ def step_profile(target, drafter, batch: int, budget: int, new_tokens: int, prom
             if profiled:
                 with profiler_without_native_log(activities) as profiler:
                     out = treeflash_generate(target, drafter, prompts, max_new_tokens=max_new_tokens,
-                                             tree_budget=budget, tree_lookup=0, pad_token_id=0)
+                                             tree_budget=budget, tree_top_m=top_m, tree_lookup=0, pad_token_id=0)
             else:
                 profiler = None
                 out = treeflash_generate(target, drafter, prompts, max_new_tokens=max_new_tokens,
-                                         tree_budget=budget, tree_lookup=0, pad_token_id=0)
+                                         tree_budget=budget, tree_top_m=top_m, tree_lookup=0, pad_token_id=0)
             if cuda:
                 torch.cuda.set_sync_debug_mode("default")
                 torch.cuda.synchronize()
@@ -123,7 +126,7 @@ def step_profile(target, drafter, batch: int, budget: int, new_tokens: int, prom
         getattr(event, "device_time_total", 0.0) for event in events if event.name == trace.TARGET_FORWARD and not
         any(parent.name == trace.PREFILL for parent in ancestors(event))) / 1e6
     step_seconds = (wall - prefill_wall) / steps
-    return {"batch": batch, "budget": budget, "steps": counts["steps"], "tau": float(out.tau),
+    return {"batch": batch, "budget": budget, "top_m": top_m, "steps": counts["steps"], "tau": float(out.tau),
             "host_reads": (reads - prefill_reads) / steps, "cuda_syncs": (syncs - prefill_syncs) / steps,
             "engine_ops": counts["engine_ops"] / steps, "forward_ops": counts["forward_ops"] / steps,
             "step_ms": step_seconds * 1e3,
@@ -136,6 +139,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--small", action="store_true", help="small models instead of Qwen3-8B shapes (a dry run)")
     parser.add_argument("--batches", type=int, nargs="+", default=[1, 8, 64])
     parser.add_argument("--budgets", type=int, nargs="+", default=[16, 64])
+    parser.add_argument("--tree-top-m", type=int, nargs="+", default=[16, 256])
     parser.add_argument("--new-tokens", type=int, default=64)
     parser.add_argument("--prompt-len", type=int, default=512)
     args = parser.parse_args(argv)
@@ -147,15 +151,14 @@ def main(argv: list[str] | None = None) -> int:
     print(f"lossless (float32, small random Qwen3, batch 4): {'identical' if not failures else failures}", flush=True)
     target, drafter = build_pair(SMALL if args.small else QWEN3_8B, device, torch.bfloat16)
     rows = []
-    print("| batch | budget | steps | host reads | CUDA syncs | engine ops | forward ops | step ms | target forward "
-          "share |\n|---|---|---|---|---|---|---|---|---|", flush=True)
-    for batch in args.batches:
-        for budget in args.budgets:
-            row = step_profile(target, drafter, batch, budget, args.new_tokens, args.prompt_len, device)
-            rows.append(row)
-            share = "-" if row["target_forward_share"] is None else f"{100 * row['target_forward_share']:.0f}%"
-            print(f"| {batch} | {budget} | {row['steps']} | {row['host_reads']:.1f} | {row['cuda_syncs']:.1f} | "
-                  f"{row['engine_ops']:.0f} | {row['forward_ops']:.0f} | {row['step_ms']:.1f} | {share} |", flush=True)
+    print("| batch | budget | M | steps | host reads | CUDA syncs | engine ops | forward ops | step ms | target "
+          "forward share |\n|---|---|---|---|---|---|---|---|---|---|", flush=True)
+    for batch, budget, top_m in itertools.product(args.batches, args.budgets, args.tree_top_m):
+        row = step_profile(target, drafter, batch, budget, top_m, args.new_tokens, args.prompt_len, device)
+        rows.append(row)
+        share = "-" if row["target_forward_share"] is None else f"{100 * row['target_forward_share']:.0f}%"
+        print(f"| {batch} | {budget} | {top_m} | {row['steps']} | {row['host_reads']:.1f} | {row['cuda_syncs']:.1f} | "
+              f"{row['engine_ops']:.0f} | {row['forward_ops']:.0f} | {row['step_ms']:.1f} | {share} |", flush=True)
     report["steps"] = rows
     if os.environ.get("OUT"):
         Path(os.environ["OUT"], "device_check.json").write_text(json.dumps(report, indent=2))
