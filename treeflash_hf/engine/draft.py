@@ -626,7 +626,7 @@ class TreeDrafter:
         `parent_tokens[i]` at depth `d = parent_depths[i]` of the row `row_index[i]` (all `[G]`). Returns
         `child_tokens [G, K]` and `child_log_probs [G, K]`, sorted by decreasing log-prob."""
         device = self.device
-        row_index, parent_depths, parent_tokens = row_index.to(device), parent_depths.to(device), parent_tokens.to(device)
+        row_index, parent_depths, parent_tokens = (t.to(device) for t in (row_index, parent_depths, parent_tokens))
         prev2 = inputs.prev2_tokens
         corrected = self.drafter.ar_corrected_hidden_states(
             inputs.hidden[row_index, parent_depths + 1], self.embed(parent_tokens),
