@@ -378,3 +378,29 @@ def test_an_exported_summary_keeps_evaluated_rows_every_tenth_step_and_the_last(
     assert kept[0]["eval_ar_kl"] == 0.5 and kept[-1]["loss"] == 1.0 / 25
     assert stage["curve"] is curve and len(curve) == 25  # the work folder's summary is left whole
     assert {k: v for k, v in thinned.items() if k != "curve"} == {"steps": 25, "minutes": 1.0}
+
+
+def test_a_grown_drafter_drafts_as_before_and_trains_its_new_layers(tiny, capsys):
+    """`with_identity_layers`: the appended layers start as the identity (zero output projections), so the grown
+    drafter's outputs are the trained one's; gradients reach the new layers' weights, so training deepens it."""
+    from treeflash_hf.training.drafter import with_identity_layers
+
+    _, drafter, _ = tiny
+    randomise_ar_layer(drafter, std=0.05)
+    grown = with_identity_layers(drafter, 2)
+    assert grown.config.num_hidden_layers == len(grown.layers) == 3 and drafter.config.num_hidden_layers == 1
+    hidden = drafter.config.hidden_size
+    generator = torch.Generator().manual_seed(0)
+    noise = torch.randn(2, 4, hidden, generator=generator)
+    context = torch.randn(2, 6, len(drafter.config.target_layer_ids) * hidden, generator=generator)
+    positions = torch.arange(10).expand(2, -1)
+    before = drafter(noise, context, position_ids=positions)
+    after = grown(noise, context, position_ids=positions)
+    assert torch.equal(before.last_hidden_state, after.last_hidden_state)
+    after.last_hidden_state.square().sum().backward()
+    new_layer = grown.layers[-1]
+    assert new_layer.self_attn.o_proj.weight.grad.abs().sum() > 0 and new_layer.mlp.down_proj.weight.grad.abs().sum() > 0
+    from treeflash_hf.cli import main
+
+    assert main(["reference", "train-drafter", "--grow-layers", "1", "--stages", "backbone"]) == 1
+    assert "give it with --init" in capsys.readouterr().err  # said before any model loads

@@ -318,6 +318,9 @@ def run(args: argparse.Namespace) -> int:
 
     torch.set_num_threads(args.threads)
     recalibrating = args.target_quant != "none"
+    if args.grow_layers and not (args.init or recalibrating):
+        raise SystemExit("error: --grow-layers adds layers to a trained drafter: give it with --init (a new drafter "
+                         "takes --drafter-layers).")
     work = Path(args.work or ("reference_work/smollm2" + (f"-{args.target_quant}" if recalibrating else "")))
     out = Path(args.out or (work / "drafter" if recalibrating else SMOLLM2_DRAFTER))
     if args.stages is None:
@@ -352,8 +355,14 @@ def run(args: argparse.Namespace) -> int:
     store_dir = work / "features"
     if recalibrating or args.init:  # a trained drafter: recalibrated, or continued on this folder's data
         drafter = initial_drafter(args.init or str(SMOLLM2_DRAFTER), target)
+        if args.grow_layers:
+            from ..training.drafter import with_identity_layers
+
+            drafter = with_identity_layers(drafter, args.grow_layers)
     else:
         drafter = new_drafter(target, args, tokenizer)
+    layer_init = args.layer_init if not args.init else (
+        f"from {args.init}" + (f", grown by {args.grow_layers} identity layers" if args.grow_layers else ""))
     if not recalibrating and args.draft_vocab and (token_ids := load_draft_vocab(work)) is not None:
         drafter.set_draft_vocab(token_ids)  # trained as it will draft (and the head's product V / V' cheaper)
     if "windows" in args.stages and not (store_dir / "store.json").exists():
@@ -395,7 +404,7 @@ def run(args: argparse.Namespace) -> int:
                                  chat_fraction=args.chat_fraction, chat_windows=store.chat_window_count,
                                  chat_answer_tokens=store.chat_answer_tokens, loss_decay=args.decay,
                                  ce_weight=args.ce_weight, drafter_layers=drafter.config.num_hidden_layers,
-                                 layer_init="from " + args.init if args.init else args.layer_init)
+                                 layer_init=layer_init)
             if stage == "backbone" and args.backbone_init:
                 stage_summary["continues"] = stage_key("backbone", args.backbone_init)
             if stage == "ar" and args.ar_init:
@@ -553,6 +562,9 @@ def add_parser(subparsers) -> None:
     parser.add_argument("--init", help="a trained drafter folder to start from instead of a new drafter (a "
                                        "continuation on this folder's data; a recalibration starts from the bundled "
                                        f"drafter, {SMOLLM2_DRAFTER}, unless given)")
+    parser.add_argument("--grow-layers", type=int, default=0,
+                        help="with --init: append this many decoder layers that start as the identity (zero output "
+                             "projections), a deeper drafter continuing the one given (default 0)")
     parser.add_argument("--windows-from", default="reference_work/smollm2/features",
                         help="the full-precision feature store whose windows a recalibration reuses")
     parser.add_argument("--recalibration-windows", type=int, default=240)

@@ -348,6 +348,29 @@ def new_drafter(target, num_layers: int, block_size: int, mask_token_id: int, ta
     return drafter
 
 
+def with_identity_layers(drafter, count: int):
+    """`drafter` with `count` decoder layers appended whose output projections (`o_proj`, `down_proj`) are zero.
+    Each new layer adds nothing to the residual stream, so the grown drafter drafts exactly what `drafter` drafts and
+    training a deeper drafter goes on from a trained one instead of from scratch (progressive stacking)."""
+    import copy
+
+    if count <= 0:
+        return drafter
+    config = copy.deepcopy(drafter.config)
+    config.num_hidden_layers += count
+    config.layer_types = list(config.layer_types) + ["full_attention"] * count
+    grown = type(drafter)(config).to(drafter.dtype)
+    missing, unexpected = grown.load_state_dict(drafter.state_dict(), strict=False)
+    new_layers = tuple(f"layers.{index}." for index in range(len(drafter.layers), len(grown.layers)))
+    if unexpected or any(not name.startswith(new_layers) for name in missing):
+        raise ValueError(f"could not grow the drafter: weights {sorted(unexpected) or sorted(missing)[:4]} do not fit")
+    with torch.no_grad():
+        for layer in grown.layers[len(drafter.layers):]:
+            layer.self_attn.o_proj.weight.zero_()
+            layer.mlp.down_proj.weight.zero_()
+    return grown
+
+
 def copy_target_layers(drafter, target) -> None:
     """Start the drafter's decoder layers as the target's last ones, in order (attention projections, MLP, norms),
     and its final norm as the target's: the drafter then begins where the target predicts the next token, and its
