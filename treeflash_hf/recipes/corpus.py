@@ -50,6 +50,7 @@ from typing import Iterator, NamedTuple, Sequence
 import numpy as np
 import torch
 
+from ..arguments import positive_int
 from . import prompt_sets
 from .code_corpus import corpus_split
 from .pairs import smollm2_target_dir
@@ -646,7 +647,7 @@ def add_parser(sub) -> None:
     g.add_argument("--max-new-tokens", type=int, default=256)
     g.add_argument("--dtype", choices=["bfloat16", "autocast"], default="bfloat16",
                    help="bf16 weights, or float32 weights under bfloat16 autocast")
-    g.add_argument("--threads", type=int, help="torch.set_num_threads")
+    g.add_argument("--threads", type=positive_int, help="torch.set_num_threads")
     g.add_argument("--flush-mb", type=float, default=1.5, help="write a shard every this many MB of tokens")
     g.add_argument("--flush-minutes", type=float, default=15.0, help="... or this often, whichever comes first")
     g.add_argument("--seed", type=int, help="default: the start time")

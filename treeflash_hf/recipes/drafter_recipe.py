@@ -43,7 +43,8 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from ..arguments import add_drafter_arguments, add_optimizer_arguments, add_target_quant_argument, positive_int
+from ..arguments import (add_drafter_arguments, add_optimizer_arguments, add_target_quant_argument, non_negative_int,
+                         positive_int)
 from .corpus import DEFAULT_FOLDER as DEFAULT_CORPUS
 from .corpus import load_shard, shard_paths
 
@@ -562,7 +563,7 @@ def add_parser(subparsers) -> None:
     parser.add_argument("--init", help="a trained drafter folder to start from instead of a new drafter (a "
                                        "continuation on this folder's data; a recalibration starts from the bundled "
                                        f"drafter, {SMOLLM2_DRAFTER}, unless given)")
-    parser.add_argument("--grow-layers", type=int, default=0,
+    parser.add_argument("--grow-layers", type=non_negative_int, default=0,
                         help="with --init: append this many decoder layers that start as the identity (zero output "
                              "projections), a deeper drafter continuing the one given (default 0)")
     parser.add_argument("--windows-from", default="reference_work/smollm2/features",
@@ -570,7 +571,7 @@ def add_parser(subparsers) -> None:
     parser.add_argument("--recalibration-windows", type=int, default=240)
     parser.add_argument("--stages", nargs="+", choices=STAGES,
                         help=f"default: {' '.join(STAGES)}; {' '.join(RECALIBRATION_STAGES)} with --target-quant")
-    parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--threads", type=positive_int, default=2)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--distill-requests", type=int, default=2048,
                         help="training requests (a larger count later appends new ones to the work folder's list)")

@@ -15,7 +15,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from ..arguments import add_drafter_arguments, add_optimizer_arguments
+from ..arguments import add_drafter_arguments, add_optimizer_arguments, positive_int
 from ..reference import load
 from .code_corpus import corpus_split, reserved_package_texts
 from .pairs import BUNDLED_DIR
@@ -400,7 +400,7 @@ def add_parser(sub) -> None:
     e.add_argument("--windows", type=int, default=256, help="windows of --seq-len tokens per set")
     e.add_argument("--seq-len", type=int, default=512)
     e.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
-    e.add_argument("--threads", type=int, default=2)
+    e.add_argument("--threads", type=positive_int, default=2)
     e.add_argument("--json")
     e.set_defaults(func=evaluate)
     b = sub.add_parser("build", help="Train target, drafter and draft LM (and a tokenizer when none exists).")
@@ -408,7 +408,7 @@ def add_parser(sub) -> None:
     b.add_argument("--work", default="reference_work", help="token streams and checkpoints (not bundled)")
     b.add_argument("--stages", nargs="+", choices=STAGES, default=list(STAGES))
     b.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
-    b.add_argument("--threads", type=int, default=2)
+    b.add_argument("--threads", type=positive_int, default=2)
     b.add_argument("--dtype", default="bfloat16", choices=["float32", "bfloat16", "float16"],
                    help="weights on disk and the models' run dtype; training uses autocast in it")
     b.add_argument("--site-packages", action=argparse.BooleanOptionalAction, default=True,
@@ -416,13 +416,13 @@ def add_parser(sub) -> None:
     b.add_argument("--package-cap-mb", type=float, default=8.0)
     b.add_argument("--vocab-size", type=int, default=8192)
     b.add_argument("--hidden", type=int, default=256)
-    b.add_argument("--layers", type=int, default=16)
+    b.add_argument("--layers", type=positive_int, default=16)
     b.add_argument("--heads", type=int, default=4)
     b.add_argument("--kv-heads", type=int, default=2)
     b.add_argument("--intermediate", type=int, default=768)
     add_optimizer_arguments(b, lr=1.5e-3, batch_size=8, seq_len=512)
     b.add_argument("--target-minutes", type=float, default=120)
-    b.add_argument("--target-steps", type=int, help="schedule length (default: what fits --target-minutes)")
+    b.add_argument("--target-steps", type=positive_int, help="schedule length (default: what fits --target-minutes)")
     b.add_argument("--target-extra-steps", type=int, default=0,
                    help="continue a finished target schedule for this many steps at its floor learning rate "
                         "(delete OUT/target first so the stage runs again; the drafter must then be retrained)")
@@ -430,7 +430,7 @@ def add_parser(sub) -> None:
                                           "(fine-tuning after the target trained on) instead of from scratch")
     add_drafter_arguments(b, drafter_layers=1, num_anchors=24)
     b.add_argument("--drafter-intermediate", type=int, default=768)
-    b.add_argument("--context-layers", type=int, default=5)
+    b.add_argument("--context-layers", type=positive_int, default=5)
     b.add_argument("--block-size", type=int, default=16)
     b.add_argument("--drafter-seq-len", type=int, default=512)
     b.add_argument("--drafter-batch-size", type=int, default=8)

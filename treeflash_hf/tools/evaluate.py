@@ -16,7 +16,7 @@ from pathlib import Path
 
 import torch
 
-from ..arguments import add_pair_argument
+from ..arguments import add_pair_argument, positive_int
 
 from ..engine.draft import TreeDrafter
 from ..engine.options import TreeOptions
@@ -143,7 +143,7 @@ def add_parser(subparsers) -> None:
     parser.add_argument("--continuation", type=int, default=64)
     parser.add_argument("--anchors", type=int, default=4)
     parser.add_argument("--samples", type=int, default=64)
-    parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--threads", type=positive_int, default=2)
     parser.add_argument("--json")
     parser.add_argument("--plot")
     parser.set_defaults(func=run)

@@ -21,7 +21,7 @@ from torch.overrides import TorchFunctionMode
 
 from ..engine import decode, trace
 
-from ..arguments import add_pair_argument, tree_budget
+from ..arguments import add_pair_argument, positive_int, tree_budget
 from ..engine.budget import measure_verify_cost
 from ..engine.draft import TreeDrafter
 from ..engine.options import TreeOptions
@@ -385,14 +385,14 @@ def add_parser(subparsers) -> None:
                         help="dtype of the random-init models")
     parser.add_argument("--mode", default="treeflash", choices=["chain", "marginal_tree", "treeflash"])
     parser.add_argument("--hidden", type=int, default=512)
-    parser.add_argument("--layers", type=int, default=8)
+    parser.add_argument("--layers", type=positive_int, default=8)
     parser.add_argument("--heads", type=int, default=8)
     parser.add_argument("--vocab", type=int, default=8192)
-    parser.add_argument("--drafter-layers", type=int, default=2)
+    parser.add_argument("--drafter-layers", type=positive_int, default=2)
     parser.add_argument("--block-size", type=int, default=16)
     parser.add_argument("--prompt-len", type=int, default=256)
     parser.add_argument("--new-tokens", type=int, default=128)
-    parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--threads", type=positive_int, default=2)
     parser.add_argument("--cost-table", nargs="+", metavar="LAYERSxHIDDEN",
                         help="instead of a step profile: the cost table of these target shapes (e.g. 12x256 16x256)")
     parser.add_argument("--dtypes", nargs="+", default=["float32", "bfloat16"],
