@@ -190,3 +190,14 @@ def test_push_with_a_rejected_token(refusing_hub, tmp_path):
     done = run_cli(["push", reference.BUNDLED_DIR / "drafter", "--repo-id", "org/x"], tmp_path, HF_HUB_OFFLINE="0",
                    HF_ENDPOINT=refusing_hub, HF_TOKEN="hf_rejected")
     assert_tool_failure(done, "The Hub refused the upload to org/x", "hf auth login")
+
+
+def test_a_closed_output_pipe_is_not_a_network_error(tmp_path):
+    """`treeflash-hf ... | head` that closes our stdout early ends quietly with the shell's SIGPIPE status (a
+    BrokenPipeError is a ConnectionError, which once read as 'cannot reach the Hugging Face Hub'). The reader here
+    (`true`) has gone before the command writes."""
+    command = " ".join(CLI) + " reference corpus stats | true"
+    done = subprocess.run(["bash", "-c", f"set -o pipefail; {command}"], cwd=tmp_path, env=cli_environment(tmp_path),
+                          capture_output=True, text=True, timeout=300)
+    assert done.returncode == 141, (done.returncode, done.stderr)
+    assert "rror" not in done.stderr and "Traceback" not in done.stderr and "Exception" not in done.stderr, done.stderr

@@ -8,6 +8,7 @@ bad arguments); `--debug` (anywhere on the command line) shows the Python traceb
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 from pathlib import Path
 
@@ -108,12 +109,17 @@ def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     try:
         check_model_arguments(args)
-        return int(args.func(args) or 0)
+        code = int(args.func(args) or 0)
+        sys.stdout.flush()  # here, not at exit: a closed pipe is then reported like any failure (below)
+        return code
     except KeyboardInterrupt:
         if debug:
             raise
         print("error: interrupted", file=sys.stderr)
         return 130
+    except BrokenPipeError:  # the reader of our output went away (`... | head`): not an error of ours, no Hub
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())  # (Python's own flush at exit would fail)
+        return 141  # a shell's status for a command killed by SIGPIPE
     except SystemExit as stop:
         if debug or not isinstance(stop.code, str):
             raise
