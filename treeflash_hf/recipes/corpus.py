@@ -223,7 +223,7 @@ def import_shards(paths: Sequence[str | Path], folder: str | Path, target: str =
     """Add shards made elsewhere (another machine, several `grow` processes at once) to the corpus in `folder`: each
     becomes one new shard of its rows whose request is new (not in the corpus nor earlier in `paths`; a sampled
     request also not sharing its `PREFIX_WORDS`-word prefix), with its own generation settings. Shards of another
-    `target` or vocabulary are refused before anything is written. Returns the counts kept and dropped."""
+    `target` are refused before anything is written (the vocabulary is not compared). Returns the counts kept and dropped."""
     shards = [(Path(path), load_shard(Path(path))) for path in paths]
     for path, shard in shards:
         if shard["metadata"]["target"] != target:
