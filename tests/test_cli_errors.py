@@ -4,6 +4,7 @@ need their own environment (the Hub ones) one process each, the others one after
 (`treeflash_hf.cli.main` per case, its exit code and output captured as a process's would be), which pays the
 import of torch and transformers once."""
 
+import argparse
 import http.server
 import json
 import os
@@ -201,3 +202,22 @@ def test_a_closed_output_pipe_is_not_a_network_error(tmp_path):
                           capture_output=True, text=True, timeout=300)
     assert done.returncode == 141, (done.returncode, done.stderr)
     assert "rror" not in done.stderr and "Traceback" not in done.stderr and "Exception" not in done.stderr, done.stderr
+
+
+def subcommand_parsers(parser: argparse.ArgumentParser, prefix: str = "treeflash-hf"):
+    """`(name, parser)` for `parser` and every sub-command below it."""
+    yield prefix, parser
+    for action in parser._actions:
+        if isinstance(action, argparse._SubParsersAction):
+            for name, sub in action.choices.items():
+                yield from subcommand_parsers(sub, f"{prefix} {name}")
+
+
+def test_every_count_argument_is_checked():
+    """A count (`--threads`, `--windows`, `--heads`, ...) goes through `positive_int` or `non_negative_int`, so 0 or
+    -1 is refused at parse time with the rule, not by a deep stack trace later; only seeds take any integer."""
+    from treeflash_hf.cli import build_parser
+
+    bare = [f"{name} {'/'.join(action.option_strings)}" for name, parser in subcommand_parsers(build_parser())
+            for action in parser._actions if action.type is int and action.dest not in ("seed", "seeds")]
+    assert not bare, f"integer arguments without a range check: {bare}"

@@ -699,8 +699,8 @@ def add_parser(sub) -> None:
     g.add_argument("--target-dir", help="the target's model folder (default: the converted SmolLM2 folder)")
     g.add_argument("--out", default=DEFAULT_FOLDER)
     g.add_argument("--minutes", type=float, required=True)
-    g.add_argument("--batch", type=int, default=64, help="requests answered together")
-    g.add_argument("--max-new-tokens", type=int, default=256)
+    g.add_argument("--batch", type=positive_int, default=64, help="requests answered together")
+    g.add_argument("--max-new-tokens", type=positive_int, default=256)
     g.add_argument("--dtype", choices=["bfloat16", "autocast"], default="bfloat16",
                    help="bf16 weights, or float32 weights under bfloat16 autocast")
     g.add_argument("--threads", type=positive_int, help="torch.set_num_threads")

@@ -568,28 +568,28 @@ def add_parser(subparsers) -> None:
                              "projections), a deeper drafter continuing the one given (default 0)")
     parser.add_argument("--windows-from", default="reference_work/smollm2/features",
                         help="the full-precision feature store whose windows a recalibration reuses")
-    parser.add_argument("--recalibration-windows", type=int, default=240)
+    parser.add_argument("--recalibration-windows", type=positive_int, default=240)
     parser.add_argument("--stages", nargs="+", choices=STAGES,
                         help=f"default: {' '.join(STAGES)}; {' '.join(RECALIBRATION_STAGES)} with --target-quant")
     parser.add_argument("--threads", type=positive_int, default=2)
     parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--distill-requests", type=int, default=2048,
+    parser.add_argument("--distill-requests", type=positive_int, default=2048,
                         help="training requests (a larger count later appends new ones to the work folder's list)")
-    parser.add_argument("--distill-batch", type=int, default=128)
+    parser.add_argument("--distill-batch", type=positive_int, default=128)
     parser.add_argument("--corpus", default=DEFAULT_CORPUS,
                         help="the committed corpus of distilled answers (`reference corpus grow`): its shards join "
                              "the work folder's distilled chunks as chat windows (default %(default)s; '' for none)")
-    parser.add_argument("--distill-from", type=int, default=0,
+    parser.add_argument("--distill-from", type=non_negative_int, default=0,
                         help="the first request to answer (a recalibration: past the first ~10, whose dense answers "
                              "hold the held-out chat windows; 128 used)")
-    parser.add_argument("--distill-tokens", type=int, default=192, help="new tokens per answer at most")
+    parser.add_argument("--distill-tokens", type=positive_int, default=192, help="new tokens per answer at most")
     parser.add_argument("--distill-minutes", type=float, default=15)
-    parser.add_argument("--code-tokens", type=int, default=600_000)
-    parser.add_argument("--draft-vocab", type=int, default=8192,
+    parser.add_argument("--code-tokens", type=non_negative_int, default=600_000)
+    parser.add_argument("--draft-vocab", type=non_negative_int, default=8192,
                         help="tokens the drafter drafts from (stage vocab: the most frequent of the training data; "
                              "0: the whole vocabulary)")
-    parser.add_argument("--heldout-windows", type=int, default=8)
-    parser.add_argument("--top-k", type=int, default=16, help="teacher log-probs kept per position")
+    parser.add_argument("--heldout-windows", type=positive_int, default=8)
+    parser.add_argument("--top-k", type=positive_int, default=16, help="teacher log-probs kept per position")
     parser.add_argument("--features-minutes", type=float, default=15)
     add_drafter_arguments(parser, drafter_layers=1, num_anchors=48)
     add_shape_arguments(parser)

@@ -15,7 +15,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from ..arguments import add_drafter_arguments, add_optimizer_arguments, positive_int
+from ..arguments import add_drafter_arguments, add_optimizer_arguments, non_negative_int, positive_int
 from ..reference import load
 from .code_corpus import corpus_split, reserved_package_texts
 from .pairs import BUNDLED_DIR
@@ -397,8 +397,8 @@ def add_parser(sub) -> None:
     """`reference eval` and `reference build` (`sub`: the `reference` command's subparsers)."""
     e = sub.add_parser("eval", help="Bits per byte of the reference target on held-out code.")
     e.add_argument("--models", help="a folder `reference build` wrote (default: the bundled suite)")
-    e.add_argument("--windows", type=int, default=256, help="windows of --seq-len tokens per set")
-    e.add_argument("--seq-len", type=int, default=512)
+    e.add_argument("--windows", type=positive_int, default=256, help="windows of --seq-len tokens per set")
+    e.add_argument("--seq-len", type=positive_int, default=512)
     e.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
     e.add_argument("--threads", type=positive_int, default=2)
     e.add_argument("--json")
@@ -414,40 +414,40 @@ def add_parser(sub) -> None:
     b.add_argument("--site-packages", action=argparse.BooleanOptionalAction, default=True,
                    help="add this environment's site-packages (reserved evaluation packages excepted)")
     b.add_argument("--package-cap-mb", type=float, default=8.0)
-    b.add_argument("--vocab-size", type=int, default=8192)
-    b.add_argument("--hidden", type=int, default=256)
+    b.add_argument("--vocab-size", type=positive_int, default=8192)
+    b.add_argument("--hidden", type=positive_int, default=256)
     b.add_argument("--layers", type=positive_int, default=16)
-    b.add_argument("--heads", type=int, default=4)
-    b.add_argument("--kv-heads", type=int, default=2)
-    b.add_argument("--intermediate", type=int, default=768)
+    b.add_argument("--heads", type=positive_int, default=4)
+    b.add_argument("--kv-heads", type=positive_int, default=2)
+    b.add_argument("--intermediate", type=positive_int, default=768)
     add_optimizer_arguments(b, lr=1.5e-3, batch_size=8, seq_len=512)
     b.add_argument("--target-minutes", type=float, default=120)
     b.add_argument("--target-steps", type=positive_int, help="schedule length (default: what fits --target-minutes)")
-    b.add_argument("--target-extra-steps", type=int, default=0,
+    b.add_argument("--target-extra-steps", type=non_negative_int, default=0,
                    help="continue a finished target schedule for this many steps at its floor learning rate "
                         "(delete OUT/target first so the stage runs again; the drafter must then be retrained)")
     b.add_argument("--drafter-init", help="start the drafter from this earlier drafter folder of the same shape "
                                           "(fine-tuning after the target trained on) instead of from scratch")
     add_drafter_arguments(b, drafter_layers=1, num_anchors=24)
-    b.add_argument("--drafter-intermediate", type=int, default=768)
+    b.add_argument("--drafter-intermediate", type=positive_int, default=768)
     b.add_argument("--context-layers", type=positive_int, default=5)
-    b.add_argument("--block-size", type=int, default=16)
-    b.add_argument("--drafter-seq-len", type=int, default=512)
-    b.add_argument("--drafter-batch-size", type=int, default=8)
+    b.add_argument("--block-size", type=positive_int, default=16)
+    b.add_argument("--drafter-seq-len", type=positive_int, default=512)
+    b.add_argument("--drafter-batch-size", type=positive_int, default=8)
     b.add_argument("--drafter-lr", type=float, default=6e-4)
     b.add_argument("--backbone-minutes", type=float, default=50)
-    b.add_argument("--backbone-steps", type=int)
+    b.add_argument("--backbone-steps", type=positive_int)
     b.add_argument("--ar-minutes", type=float, default=30)
-    b.add_argument("--ar-steps", type=int)
-    b.add_argument("--sd-prompts", type=int, default=3072)
-    b.add_argument("--sd-prompt-len", type=int, default=128)
-    b.add_argument("--sd-new-tokens", type=int, default=224)
-    b.add_argument("--sd-batch-size", type=int, default=32)
+    b.add_argument("--ar-steps", type=positive_int)
+    b.add_argument("--sd-prompts", type=positive_int, default=3072)
+    b.add_argument("--sd-prompt-len", type=positive_int, default=128)
+    b.add_argument("--sd-new-tokens", type=positive_int, default=224)
+    b.add_argument("--sd-batch-size", type=positive_int, default=32)
     b.add_argument("--sd-temperature", type=float, default=0.8)
     b.add_argument("--draft-lm-minutes", type=float, default=8)
-    b.add_argument("--draft-lm-steps", type=int)
+    b.add_argument("--draft-lm-steps", type=positive_int)
     b.add_argument("--tree-budget", type=lambda v: v if v == "auto" else int(v), default="auto")
-    b.add_argument("--top-m", type=int, default=4)
-    b.add_argument("--tree-lookup", type=int, default=32)
-    b.add_argument("--top-k", type=int, default=8)
+    b.add_argument("--top-m", type=positive_int, default=4)
+    b.add_argument("--tree-lookup", type=non_negative_int, default=32)
+    b.add_argument("--top-k", type=positive_int, default=8)
     b.set_defaults(func=build)

@@ -27,6 +27,7 @@ from pathlib import Path
 
 import torch
 
+from ..arguments import positive_int
 from ..engine import trace
 from ..engine.decode import treeflash_generate
 from ..recipes.testing import matching_drafter, random_target
@@ -137,11 +138,11 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m treeflash_hf.tools.device_check", description=__doc__.split("\n")[0])
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     parser.add_argument("--small", action="store_true", help="small models instead of Qwen3-8B shapes (a dry run)")
-    parser.add_argument("--batches", type=int, nargs="+", default=[1, 8, 64])
-    parser.add_argument("--budgets", type=int, nargs="+", default=[16, 64])
-    parser.add_argument("--tree-top-m", type=int, nargs="+", default=[16, 256])
-    parser.add_argument("--new-tokens", type=int, default=64)
-    parser.add_argument("--prompt-len", type=int, default=512)
+    parser.add_argument("--batches", type=positive_int, nargs="+", default=[1, 8, 64])
+    parser.add_argument("--budgets", type=positive_int, nargs="+", default=[16, 64])
+    parser.add_argument("--tree-top-m", type=positive_int, nargs="+", default=[16, 256])
+    parser.add_argument("--new-tokens", type=positive_int, default=64)
+    parser.add_argument("--prompt-len", type=positive_int, default=512)
     args = parser.parse_args(argv)
     device = torch.device(args.device)
     report = {"device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",

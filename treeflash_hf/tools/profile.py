@@ -384,26 +384,26 @@ def add_parser(subparsers) -> None:
     parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"],
                         help="dtype of the random-init models")
     parser.add_argument("--mode", default="treeflash", choices=["chain", "marginal_tree", "treeflash"])
-    parser.add_argument("--hidden", type=int, default=512)
+    parser.add_argument("--hidden", type=positive_int, default=512)
     parser.add_argument("--layers", type=positive_int, default=8)
-    parser.add_argument("--heads", type=int, default=8)
-    parser.add_argument("--vocab", type=int, default=8192)
+    parser.add_argument("--heads", type=positive_int, default=8)
+    parser.add_argument("--vocab", type=positive_int, default=8192)
     parser.add_argument("--drafter-layers", type=positive_int, default=2)
-    parser.add_argument("--block-size", type=int, default=16)
-    parser.add_argument("--prompt-len", type=int, default=256)
-    parser.add_argument("--new-tokens", type=int, default=128)
+    parser.add_argument("--block-size", type=positive_int, default=16)
+    parser.add_argument("--prompt-len", type=positive_int, default=256)
+    parser.add_argument("--new-tokens", type=positive_int, default=128)
     parser.add_argument("--threads", type=positive_int, default=2)
     parser.add_argument("--cost-table", nargs="+", metavar="LAYERSxHIDDEN",
                         help="instead of a step profile: the cost table of these target shapes (e.g. 12x256 16x256)")
     parser.add_argument("--dtypes", nargs="+", default=["float32", "bfloat16"],
                         choices=["float32", "bfloat16", "float16"])
-    parser.add_argument("--verify-sizes", type=int, nargs="+", default=[4, 8, 16, 32])
+    parser.add_argument("--verify-sizes", type=positive_int, nargs="+", default=[4, 8, 16, 32])
     parser.add_argument("--train-throughput", action="store_true",
                         help="add causal-LM training tokens/s (autocast in the dtype) to the cost table")
     parser.add_argument("--ops", action="store_true",
                         help="instead of stage times: per decode step, host reads (syncs on an accelerator), the "
                              "engine's operators and its share of the step, at each of --batches (paired with "
                              "--budgets when both have as many values, else every combination)")
-    parser.add_argument("--batches", type=int, nargs="+", default=[1, 8, 32])
+    parser.add_argument("--batches", type=positive_int, nargs="+", default=[1, 8, 32])
     parser.add_argument("--json", help="write the cost table (or the --ops table) as JSON")
     parser.set_defaults(func=run)

@@ -9,7 +9,8 @@ from pathlib import Path
 
 import torch
 
-from ..arguments import add_drafter_arguments, add_optimizer_arguments, add_target_quant_argument
+from ..arguments import (add_drafter_arguments, add_optimizer_arguments, add_target_quant_argument, non_negative_int,
+                         positive_int)
 
 
 def load_data(path: str, seq_len: int, seed: int, pad_token_id: int):
@@ -87,17 +88,17 @@ def add_parser(subparsers) -> None:
     parser.add_argument("--data", required=True, help=".npy token stream or a self-distillation dataset folder")
     parser.add_argument("--heldout", help="held-out data for periodic evaluation")
     parser.add_argument("--out", required=True)
-    parser.add_argument("--steps", type=int, default=1000)
+    parser.add_argument("--steps", type=positive_int, default=1000)
     parser.add_argument("--minutes", type=float)
     add_optimizer_arguments(parser, lr=6e-4, batch_size=8, seq_len=256)
-    parser.add_argument("--warmup-steps", type=int, default=50)
+    parser.add_argument("--warmup-steps", type=non_negative_int, default=50)
     add_drafter_arguments(parser, drafter_layers=5, num_anchors=16)
     parser.add_argument("--full-finetune", action="store_true")
-    parser.add_argument("--block-size", type=int, default=16)
-    parser.add_argument("--mask-token-id", type=int)
-    parser.add_argument("--eval-every", type=int, default=200)
-    parser.add_argument("--eval-batches", type=int, default=4)
-    parser.add_argument("--save-every", type=int, default=200)
+    parser.add_argument("--block-size", type=positive_int, default=16)
+    parser.add_argument("--mask-token-id", type=non_negative_int)
+    parser.add_argument("--eval-every", type=positive_int, default=200)
+    parser.add_argument("--eval-batches", type=positive_int, default=4)
+    parser.add_argument("--save-every", type=positive_int, default=200)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--resume", action="store_true")
     parser.add_argument("--mixed-precision", choices=["no", "bf16", "fp16"], default="no",
