@@ -279,3 +279,17 @@ def test_import_keeps_each_request_once(tmp_path):
                                target="another-model")
     with pytest.raises(CorpusFormatError, match="another-model"):
         corpus.import_shards([other], corpus_dir)
+
+
+def test_import_refuses_another_vocabulary(tmp_path):
+    """A shard written with another tokenizer's vocabulary size is refused before anything is written: its token ids
+    would mean other tokens."""
+    corpus_dir, elsewhere = tmp_path / "corpus", tmp_path / "gpu"
+    rows = random_rows(4, vocab=500)
+    corpus.write_shard(corpus_dir, rows[:2], vocab_size=500, end_token_id=9, generation=SETTINGS)
+    same = corpus.write_shard(elsewhere / "1", rows[2:3], vocab_size=500, end_token_id=9, generation=SETTINGS)
+    other = corpus.write_shard(elsewhere / "2", rows[3:], vocab_size=600, end_token_id=9, generation=SETTINGS)
+    with pytest.raises(CorpusFormatError, match="vocabulary of 600 tokens.*with 500"):
+        corpus.import_shards([same, other], corpus_dir)
+    assert len(corpus.shard_paths(corpus_dir)) == 1
+    assert corpus.import_shards([same], corpus_dir)["kept"] == 1

@@ -221,30 +221,33 @@ def answered_prefix_keys(folder: str | Path) -> set[str]:
 
 def import_shards(paths: Sequence[str | Path], folder: str | Path, target: str = TARGET) -> dict:
     """Add shards made elsewhere (another machine, several `grow` processes at once) to the corpus in `folder`: each
-    becomes one new shard of its rows whose request is new (not in the corpus nor earlier in `paths`; a sampled
-    request also not sharing its `PREFIX_WORDS`-word prefix), with its own generation settings. Shards of another
-    `target` are refused before anything is written (the vocabulary is not compared). Returns the counts kept and dropped."""
+    becomes one new shard of its rows whose request is new (`SeenRequests`: not in the corpus nor earlier in
+    `paths`), with its own generation settings. Shards of another `target`, or of another vocabulary size than the
+    corpus's, are refused before anything is written. Returns the counts kept and dropped."""
     shards = [(Path(path), load_shard(Path(path))) for path in paths]
+    existing = shard_paths(folder)
+    first = load_shard(existing[-1]) if existing else shards[0][1] if shards else None
+    vocab_size = first["metadata"]["vocab_size"] if first else None  # (the corpus's; else the first shard's)
     for path, shard in shards:
-        if shard["metadata"]["target"] != target:
-            raise CorpusFormatError(f"{path} holds answers of {shard['metadata']['target']!r}, not of {target!r}: "
-                                    "it belongs to another corpus.")
-    seen_ids, seen_prefixes = answered_request_ids(folder), answered_prefix_keys(folder)
+        meta = shard["metadata"]
+        if meta["target"] != target:
+            raise CorpusFormatError(f"{path} holds answers of {meta['target']!r}, not of {target!r}: it belongs to "
+                                    "another corpus.")
+        if meta["vocab_size"] != vocab_size:
+            raise CorpusFormatError(f"{path} was written with a vocabulary of {meta['vocab_size']:,} tokens, the "
+                                    f"corpus in {folder} with {vocab_size:,}: its token ids mean other tokens; "
+                                    "make it again with this corpus's tokenizer.")
+    seen = SeenRequests.of_corpus(folder)
     totals = {"shards": 0, "kept": 0, "answer_tokens": 0, "duplicate": 0, "near-duplicate": 0}
     for path, shard in shards:
         meta, offsets = shard["metadata"], shard["offsets"]
         rows, keys = [], []
         for i, (rid, key) in enumerate(zip(_u64_to_hex(shard["request_ids"]), _u64_to_hex(shard["prefix_keys"]))):
             source = meta["sources"][shard["sources"][i]]
-            if rid in seen_ids:
-                totals["duplicate"] += 1
+            if (why := seen.reason(rid, source, key)) is not None:
+                totals[why] += 1
                 continue
-            if source == "magpie" and key in seen_prefixes:
-                totals["near-duplicate"] += 1
-                continue
-            seen_ids.add(rid)
-            if source == "magpie":
-                seen_prefixes.add(key)
+            seen.add(rid, source, key)
             rows.append(CorpusRow(shard["tokens"][offsets[i]:offsets[i + 1]], int(shard["prompt_lengths"][i]), rid,
                                   source))
             keys.append(key)
@@ -322,13 +325,38 @@ def humaneval_texts() -> list[str]:
     return [text for text in texts if text.strip()]
 
 
+class SeenRequests:
+    """The requests a corpus holds, by the rule that keeps each request once: a request is new unless its
+    `request_id` was seen, or, for a sampled (`magpie`) request, its `PREFIX_WORDS`-word `prefix_key` (sampled
+    requests that differ only in their tail ask the same thing)."""
+
+    def __init__(self, request_ids=(), prefix_keys=()):
+        self.request_ids, self.prefix_keys = set(request_ids), set(prefix_keys)
+
+    @classmethod
+    def of_corpus(cls, folder: str | Path) -> "SeenRequests":
+        return cls(answered_request_ids(folder), answered_prefix_keys(folder))
+
+    def reason(self, request_id: str, source: str, prefix_key: str) -> str | None:
+        """"duplicate" or "near-duplicate" when the request is not new; None when it is."""
+        if request_id in self.request_ids:
+            return "duplicate"
+        if source == "magpie" and prefix_key in self.prefix_keys:
+            return "near-duplicate"
+        return None
+
+    def add(self, request_id: str, source: str, prefix_key: str) -> None:
+        self.request_ids.add(request_id)
+        if source == "magpie":
+            self.prefix_keys.add(prefix_key)
+
+
 class RequestFilter:
     """Keeps a request only when it is clean and new: 15-400 characters, mostly ASCII letters, no chat special
     tokens, no reserved evaluation package named, not equal or near-equal to an evaluation prompt (a word 5-gram
-    overlap of half the shorter text's 5-grams), and not a request already seen (same `request_id`; for sampled
-    requests also the same `PREFIX_WORDS`-word prefix). `reason(request)` says why one is refused (None: kept)."""
+    overlap of half the shorter text's 5-grams), and not a request already seen (`SeenRequests`). `reason(request)` says why one is refused (None: kept)."""
 
-    def __init__(self, eval_texts: Sequence[str], special_tokens: Sequence[str] = (), seen_ids=(), seen_prefixes=(),
+    def __init__(self, eval_texts: Sequence[str], special_tokens: Sequence[str] = (), seen: SeenRequests | None = None,
                  min_chars: int = 15, max_chars: int = 400, overlap: float = 0.5):
         self.min_chars, self.max_chars, self.overlap = min_chars, max_chars, overlap
         self.special = [token for token in special_tokens if token] + ["<|im_start|>", "<|im_end|>", "<|endoftext|>"]
@@ -339,15 +367,14 @@ class RequestFilter:
         for number, shingles in enumerate(self.eval_shingles):
             for shingle in shingles:
                 self.index.setdefault(shingle, []).append(number)
-        self.seen_ids, self.seen_prefixes = set(seen_ids), set(seen_prefixes)
+        self.seen = seen if seen is not None else SeenRequests()
 
     @classmethod
     def for_corpus(cls, folder: str | Path, tokenizer=None) -> "RequestFilter":
         """The filter of the evaluation sets here (held-out instructions, HumanEval), knowing the corpus's
         requests."""
         specials = list(getattr(tokenizer, "all_special_tokens", []) or [])
-        return cls(list(prompt_sets.eval_requests()) + humaneval_texts(), specials,
-                   answered_request_ids(folder), answered_prefix_keys(folder))
+        return cls(list(prompt_sets.eval_requests()) + humaneval_texts(), specials, SeenRequests.of_corpus(folder))
 
     def near_eval(self, text: str) -> bool:
         if request_id(text) in self.eval_ids:
@@ -374,11 +401,7 @@ class RequestFilter:
             return "reserved-package"
         if self.near_eval(text):
             return "evaluation"
-        if request.request_id in self.seen_ids:
-            return "duplicate"
-        if request.source == "magpie" and request.prefix_key in self.seen_prefixes:
-            return "near-duplicate"
-        return None
+        return self.seen.reason(request.request_id, request.source, request.prefix_key)
 
     def keep(self, requests: Sequence[Request]) -> tuple[list[Request], dict[str, int]]:
         """The kept requests (marked seen) and the count of each refusal reason."""
@@ -387,9 +410,7 @@ class RequestFilter:
             why = self.reason(request)
             if why is None:
                 kept.append(request)
-                self.seen_ids.add(request.request_id)
-                if request.source == "magpie":
-                    self.seen_prefixes.add(request.prefix_key)
+                self.seen.add(request.request_id, request.source, request.prefix_key)
             else:
                 refused[why] = refused.get(why, 0) + 1
         return kept, refused
