@@ -354,7 +354,8 @@ class SeenRequests:
 class RequestFilter:
     """Keeps a request only when it is clean and new: 15-400 characters, mostly ASCII letters, no chat special
     tokens, no reserved evaluation package named, not equal or near-equal to an evaluation prompt (a word 5-gram
-    overlap of half the shorter text's 5-grams), and not a request already seen (`SeenRequests`). `reason(request)` says why one is refused (None: kept)."""
+    overlap of half the shorter text's 5-grams), and not a request already seen (`SeenRequests`).
+    `reason(request)` says why one is refused (None: kept)."""
 
     def __init__(self, eval_texts: Sequence[str], special_tokens: Sequence[str] = (), seen: SeenRequests | None = None,
                  min_chars: int = 15, max_chars: int = 400, overlap: float = 0.5):
