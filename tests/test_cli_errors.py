@@ -221,3 +221,18 @@ def test_every_count_argument_is_checked():
     bare = [f"{name} {'/'.join(action.option_strings)}" for name, parser in subcommand_parsers(build_parser())
             for action in parser._actions if action.type is int and action.dest not in ("seed", "seeds")]
     assert not bare, f"integer arguments without a range check: {bare}"
+
+
+@pytest.mark.parametrize("value, needle", [("cuda", "no CUDA device here"), ("tpu", "not a device"),
+                                           ("cuda:x", "not a device")])
+def test_a_device_this_machine_lacks_is_refused_at_parse_time(value, needle, capsys):
+    """`--device` (train-drafter, corpus grow, drafter-study, train) names the problem before any model loads."""
+    import torch
+
+    from treeflash_hf.cli import build_parser
+
+    if value == "cuda" and torch.cuda.is_available():
+        pytest.skip("this machine has a CUDA device")
+    with pytest.raises(SystemExit):
+        build_parser().parse_args(["reference", "train-drafter", "--device", value])
+    assert needle in capsys.readouterr().err

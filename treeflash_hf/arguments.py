@@ -34,6 +34,25 @@ def tree_budget(value: str) -> int | str:
     return number
 
 
+def device_name(value: str) -> str:
+    """An argparse type for `--device`: `cpu`, or a CUDA device torch sees here (`cuda`, `cuda:1`)."""
+    import torch
+
+    try:
+        device = torch.device(value)
+    except (RuntimeError, ValueError):
+        raise argparse.ArgumentTypeError(f"{value!r} is not a device: use cpu, cuda or cuda:N") from None
+    if device.type not in ("cpu", "cuda"):
+        raise argparse.ArgumentTypeError(f"{value} is not supported: use cpu, cuda or cuda:N")
+    if device.type == "cuda" and not torch.cuda.is_available():
+        raise argparse.ArgumentTypeError(
+            f"{value}: torch sees no CUDA device here (torch {torch.__version__}); run on a GPU machine with a CUDA "
+            "build of torch, or leave --device out (cpu)")
+    if device.type == "cuda" and (device.index or 0) >= torch.cuda.device_count():
+        raise argparse.ArgumentTypeError(f"{value}: torch sees {torch.cuda.device_count()} CUDA device(s) here")
+    return value
+
+
 def _integer(value: str) -> int:
     try:
         return int(value)
@@ -48,6 +67,12 @@ def add_pair_argument(parser: argparse.ArgumentParser, help_suffix: str = "") ->
     parser.add_argument("--pair", choices=PAIRS, default=DEFAULT_PAIR,
                         help=f"the reference pair (default {DEFAULT_PAIR}; tiny: the small pair for fast tests)"
                         + help_suffix)
+
+
+def add_device_argument(parser: argparse.ArgumentParser, help_suffix: str = "") -> None:
+    """`--device`: where a command runs its models (checked at parse time: a CUDA device must exist here)."""
+    parser.add_argument("--device", type=device_name, default="cpu",
+                        help="where the models run: cpu (default), cuda, cuda:1, ..." + help_suffix)
 
 
 def add_target_quant_argument(parser: argparse.ArgumentParser) -> None:

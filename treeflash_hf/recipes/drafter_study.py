@@ -29,7 +29,7 @@ import copy
 import json
 from pathlib import Path
 
-from ..arguments import add_drafter_arguments, add_optimizer_arguments, positive_int
+from ..arguments import add_device_argument, add_drafter_arguments, add_optimizer_arguments, positive_int
 
 # a variant's name -> its overrides of the recipe's arguments
 VARIANTS = {
@@ -182,6 +182,7 @@ def add_parser(subparsers) -> None:
     parser.add_argument("--minutes", type=float, default=8, help="stage backbone's minutes per variant")
     parser.add_argument("--ar-minutes", type=float, default=0, help="stage ar's minutes per variant after it (0: none)")
     parser.add_argument("--threads", type=positive_int, default=1)
+    add_device_argument(parser)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--chat-fraction", type=float, default=0.8, help="share of each batch from chat windows")
     add_drafter_arguments(parser, drafter_layers=1, num_anchors=48)

@@ -15,7 +15,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from ..arguments import add_drafter_arguments, add_optimizer_arguments, non_negative_int, positive_int
+from ..arguments import add_drafter_arguments, add_optimizer_arguments, device_name, non_negative_int, positive_int
 from ..reference import load
 from .code_corpus import corpus_split, reserved_package_texts
 from .pairs import BUNDLED_DIR
@@ -407,7 +407,7 @@ def add_parser(sub) -> None:
     b.add_argument("--out", default=str(BUNDLED_DIR))
     b.add_argument("--work", default="reference_work", help="token streams and checkpoints (not bundled)")
     b.add_argument("--stages", nargs="+", choices=STAGES, default=list(STAGES))
-    b.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    b.add_argument("--device", type=device_name, default="cuda" if torch.cuda.is_available() else "cpu")
     b.add_argument("--threads", type=positive_int, default=2)
     b.add_argument("--dtype", default="bfloat16", choices=["float32", "bfloat16", "float16"],
                    help="weights on disk and the models' run dtype; training uses autocast in it")

@@ -27,7 +27,7 @@ from pathlib import Path
 
 import torch
 
-from ..arguments import positive_int
+from ..arguments import device_name, positive_int
 from ..engine import trace
 from ..engine.decode import treeflash_generate
 from ..recipes.testing import matching_drafter, random_target
@@ -136,7 +136,7 @@ def step_profile(target, drafter, batch: int, budget: int, top_m: int, new_token
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m treeflash_hf.tools.device_check", description=__doc__.split("\n")[0])
-    parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    parser.add_argument("--device", type=device_name, default="cuda" if torch.cuda.is_available() else "cpu")
     parser.add_argument("--small", action="store_true", help="small models instead of Qwen3-8B shapes (a dry run)")
     parser.add_argument("--batches", type=positive_int, nargs="+", default=[1, 8, 64])
     parser.add_argument("--budgets", type=positive_int, nargs="+", default=[16, 64])

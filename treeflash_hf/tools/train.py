@@ -9,8 +9,8 @@ from pathlib import Path
 
 import torch
 
-from ..arguments import (add_drafter_arguments, add_optimizer_arguments, add_target_quant_argument, non_negative_int,
-                         positive_int)
+from ..arguments import (add_drafter_arguments, add_optimizer_arguments, add_target_quant_argument, device_name,
+                         non_negative_int, positive_int)
 
 
 def load_data(path: str, seq_len: int, seed: int, pad_token_id: int):
@@ -103,5 +103,6 @@ def add_parser(subparsers) -> None:
     parser.add_argument("--resume", action="store_true")
     parser.add_argument("--mixed-precision", choices=["no", "bf16", "fp16"], default="no",
                         help="autocast for the losses; weights and optimizer state stay float32")
-    parser.add_argument("--device", help="default: this process's accelerator device (a GPU if any, else the CPU)")
+    parser.add_argument("--device", type=device_name,
+                        help="default: this process's accelerator device (a GPU if any, else the CPU)")
     parser.set_defaults(func=run)

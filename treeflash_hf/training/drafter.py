@@ -80,6 +80,9 @@ class Teacher:
     log_probs: torch.Tensor
     ids: torch.LongTensor | None = None
 
+    def to(self, device: torch.device | str) -> "Teacher":
+        return Teacher(self.log_probs.to(device), None if self.ids is None else self.ids.to(device))
+
     def at(self, positions: torch.LongTensor) -> "Teacher":
         """The rows predicting the tokens at `positions [B, P]` (rows `positions - 1`): `[B, P, K]`."""
         rows = (positions - 1)[..., None].expand(-1, -1, self.log_probs.shape[-1])
