@@ -26,6 +26,18 @@ def test_missing_wheel_names_the_install_command(monkeypatch, tmp_path):
     assert not any(tmp_path.iterdir()) or not (tmp_path / "models" / "smollm2-135m").exists()
 
 
+def test_a_gguf_file_named_by_the_environment_stands_in_for_the_wheel(monkeypatch, tmp_path):
+    """`$TREEFLASH_SMOLLM2_GGUF`: a machine without the wheel (a lent GPU) names the file; a wrong path is a clear
+    error, not a fall-back to the wheel."""
+    monkeypatch.setenv("TREEFLASH_SMOLLM2_GGUF", str(tmp_path / "missing.gguf"))
+    with pytest.raises(pairs.PairError, match=r"TREEFLASH_SMOLLM2_GGUF names .*missing\.gguf, which is not a file"):
+        pairs.smollm2_gguf()
+    given = tmp_path / pairs.SMOLLM2_GGUF
+    given.write_bytes(b"GGUF")
+    monkeypatch.setenv("TREEFLASH_SMOLLM2_GGUF", str(given))
+    assert pairs.smollm2_gguf() == given
+
+
 def test_corrupt_or_half_written_cache_is_never_used(monkeypatch, tmp_path):
     monkeypatch.setenv("TREEFLASH_CACHE", str(tmp_path))
     folder = tmp_path / "models" / "smollm2-135m"

