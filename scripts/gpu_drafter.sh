@@ -13,7 +13,7 @@
 #   here:   scripts/gpu_drafter.sh restore     # the slimmed files back
 #
 # `train` continues the bundled drafter (`--init`) on the whole committed corpus with the target's features computed
-# per batch (`--online-features`): BACKBONE_MINUTES (default 4.5) + AR_MINUTES (2) at BATCH_SIZE (64), LR (3e-4),
+# per batch (`--online-features`): BACKBONE_MINUTES (default 4) + AR_MINUTES (1.5) at BATCH_SIZE (64), LR (3e-4),
 # EXTRA (more train-drafter arguments). The drafter, the work folder's summary and the log come back under $OUT.
 # A dry run here (the same job, small): PYTHON=.venv/bin/python DEVICE=cpu WHEELS_INSTALLED=1 BACKBONE_MINUTES=0.3
 # AR_MINUTES=0.2 BATCH_SIZE=2 OUT=/tmp/out scripts/gpu_drafter.sh train (after `prepare` and a `keep` of parts a, b).
@@ -112,9 +112,9 @@ train() {  # on the device
   nvidia-smi --query-gpu=name,memory.total --format=csv,noheader 2>/dev/null || true
   "${PYTHON:-python3}" -m treeflash_hf.cli reference train-drafter --device "${DEVICE:-cuda}" --online-features --work /tmp/treeflash-work \
     --init treeflash_hf/reference_models/smollm2_drafter --stages windows backbone ar export \
-    --code-tokens 300000 --heldout-windows 24 --chat-fraction 0.8 --threads 8 \
+    --code-tokens 300000 --heldout-windows 24 --chat-fraction 0.8 --threads "${THREADS:-8}" \
     --batch-size "${BATCH_SIZE:-64}" --lr "${LR:-3e-4}" \
-    --backbone-minutes "${BACKBONE_MINUTES:-4.5}" --ar-minutes "${AR_MINUTES:-2}" \
+    --backbone-minutes "${BACKBONE_MINUTES:-4}" --ar-minutes "${AR_MINUTES:-1.5}" \
     --out "$out/drafter" ${EXTRA:-} 2>&1 | tr '\r' '\n' | grep -v -E "it/s\]$|s/it\]$" | tee "$out/train.log"
   cp /tmp/treeflash-work/summary.json "$out/summary.json"
   ls -la "$out" "$out/drafter"
