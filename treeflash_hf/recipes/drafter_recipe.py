@@ -269,7 +269,7 @@ def open_store(store_dir: Path, target, args: argparse.Namespace, autocast: bool
     from ..training.features import FeatureStore, OnlineFeatures
 
     options = dict(seed=args.seed, chat_fraction=args.chat_fraction, chat_windows=args.chat_windows)
-    if getattr(args, "online_features", False):
+    if args.online_features:
         return OnlineFeatures(store_dir, target, autocast=autocast, **options)
     return FeatureStore(store_dir, **options)
 

@@ -71,10 +71,14 @@ class FeatureStore:
         indices = np.sort(indices)
         ids = torch.from_numpy(self.windows[indices].astype(np.int64))
         mask = torch.from_numpy(self.loss_mask[indices].astype(np.float32))
+        return ids, mask, *self.window_outputs(indices, ids)
+
+    def window_outputs(self, indices: np.ndarray, ids: torch.LongTensor) -> tuple[torch.Tensor, Teacher]:
+        """The target's outputs for windows `indices` (sorted; their ids `ids`), read from the store's files."""
         features = torch.from_numpy(self.outputs["features.bin"][indices].astype(np.int16)).view(torch.bfloat16)
         teacher = Teacher(torch.from_numpy(self.outputs["top_log_probs.bin"][indices].astype(np.float32)),
                           torch.from_numpy(self.outputs["top_ids.bin"][indices].astype(np.int64)))
-        return ids, mask, features, teacher
+        return features, teacher
 
     def batch(self, step: int, batch_size: int) -> tuple[torch.LongTensor, torch.Tensor, torch.Tensor, Teacher]:
         """`batch_size` windows drawn for `step` (the same windows for the same step and seed, so a resumed run
@@ -129,8 +133,9 @@ class FeatureStore:
 class OnlineFeatures(FeatureStore):
     """A store's windows, with the frozen `target`'s outputs computed on its device when rows are drawn: `rows`
     gives what a filled store would read (features bfloat16, top-K log-probs rounded to float16) without the
-    features stage or its disk. Every window counts as done. The features and the teacher stay on the target's
-    device; ids and mask come back on the CPU (anchors are drawn there)."""
+    features stage or its disk (`window_outputs` runs the target instead of reading). Every window counts as done.
+    The features and the teacher stay on the target's device; ids and mask come back on the CPU (anchors are drawn
+    there)."""
 
     def __init__(self, folder: str | Path, target, autocast: bool = True, **kwargs):
         super().__init__(folder, **kwargs)
@@ -141,14 +146,11 @@ class OnlineFeatures(FeatureStore):
     def done(self) -> int:
         return int(self.meta["windows"])
 
-    def rows(self, indices: np.ndarray) -> tuple[torch.LongTensor, torch.Tensor, torch.Tensor, Teacher]:
-        indices = np.sort(indices)
-        ids = torch.from_numpy(self.windows[indices].astype(np.int64))
-        mask = torch.from_numpy(self.loss_mask[indices].astype(np.float32))
+    def window_outputs(self, indices: np.ndarray, ids: torch.LongTensor) -> tuple[torch.Tensor, Teacher]:
         device = next(self.target.parameters()).device
         features, top_ids, top_log_probs = target_outputs(self.target, ids[:, :-1].to(device), self.meta["layer_ids"],
                                                           int(self.meta["top_k"]), self.autocast)
-        return ids, mask, features, Teacher(top_log_probs.float(), top_ids.long())
+        return features, Teacher(top_log_probs.float(), top_ids.long())
 
 
 def output_files(width: int, top_k: int) -> tuple[tuple[str, type, int], ...]:
