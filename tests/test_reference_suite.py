@@ -100,13 +100,45 @@ def test_batched_rows_equal_single_row_decoding_exactly(suite):
         assert out.tau > 1.2
 
 
+def test_auto_dtype_runs_half_precision_in_float32_where_the_cpu_has_no_arithmetic_for_it(monkeypatch, caplog):
+    """`dtype="auto"` keeps the stored bfloat16 where the CPU multiplies it in hardware, and runs float32 (exactly
+    the same weights) with a warning where torch would emulate it; an explicit dtype is always kept."""
+    monkeypatch.setattr(reference, "cpu_has_native", lambda dtype: True)
+    target, drafter, _ = reference.load("tiny")
+    assert target.dtype == drafter.dtype == torch.bfloat16 and "running in float32" not in caplog.text
+    monkeypatch.setattr(reference, "cpu_has_native", lambda dtype: False)
+    target_32, drafter_32, _ = reference.load("tiny")
+    assert target_32.dtype == drafter_32.dtype == torch.float32 and "running in float32" in caplog.text
+    for model, model_32 in ((target, target_32), (drafter, drafter_32)):
+        weights = dict(model.named_parameters())
+        assert all(torch.equal(weights[name].float(), value) for name, value in model_32.named_parameters())
+    assert reference.load("tiny", dtype=torch.bfloat16)[0].dtype == torch.bfloat16
+
+
+def test_cpu_has_native_reads_the_cpu_features(monkeypatch):
+    import platform
+
+    monkeypatch.setattr(platform, "machine", lambda: "x86_64")
+    for name in ("_is_avx512_bf16_supported", "_is_amx_tile_supported", "_is_amx_fp16_supported"):
+        monkeypatch.setattr(torch.cpu, name, lambda: False, raising=False)
+    assert reference.cpu_has_native(torch.float32)
+    assert not reference.cpu_has_native(torch.bfloat16) and not reference.cpu_has_native(torch.float16)
+    monkeypatch.setattr(torch.cpu, "_is_amx_tile_supported", lambda: True, raising=False)
+    assert reference.cpu_has_native(torch.bfloat16) and not reference.cpu_has_native(torch.float16)
+    monkeypatch.setattr(platform, "machine", lambda: "aarch64")
+    monkeypatch.setattr(reference, "_arm_cpu_features", lambda: {"fp", "asimd", "bf16"})
+    assert reference.cpu_has_native(torch.bfloat16) and not reference.cpu_has_native(torch.float16)
+    monkeypatch.setattr(reference, "_arm_cpu_features", lambda: {"fp", "asimd", "asimdhp"})
+    assert not reference.cpu_has_native(torch.bfloat16) and reference.cpu_has_native(torch.float16)
+
+
 def test_run_dtype_divergences_are_near_ties():
     """In the pair's run dtype (bfloat16), rounding differs between verifying a tree and decoding one token, so a
     speculative output may leave plain decoding where the target's top two logits are within that dtype's
     rounding. Every divergence must be such a near-tie, never a real disagreement."""
     from treeflash_hf.tools.bench import Identity, compare
 
-    target, drafter, tokenizer = reference.load("tiny")  # the stored dtype
+    target, drafter, tokenizer = reference.load("tiny", dtype=torch.bfloat16)  # the stored dtype
     identity = Identity()
     for prompt in HELD_OUT:
         inputs = tokenizer(prompt, return_tensors="pt")

@@ -7,17 +7,58 @@ tests), or a folder `treeflash-hf reference build` wrote.
 
 from __future__ import annotations
 
+import logging
+import platform
 from pathlib import Path
 
 import torch
 
 from .recipes.pairs import BUNDLED_DIR, DEFAULT_PAIR, PAIRS, pair_dirs
 
+logger = logging.getLogger(__name__)
+HALF_PRECISIONS = (torch.bfloat16, torch.float16)
+
+
+def _arm_cpu_features() -> set[str]:
+    try:
+        text = Path("/proc/cpuinfo").read_text()
+    except OSError:
+        return set()
+    return {flag for line in text.splitlines() if line.lower().startswith("features") for flag in line.split()[2:]}
+
+
+def cpu_has_native(dtype: torch.dtype) -> bool:
+    """Whether this CPU multiplies `dtype` matrices in hardware: bfloat16 with AVX512-BF16 or AMX (x86) or BF16 (Arm),
+    float16 with AMX-FP16 (x86) or FP16 arithmetic (Arm). Without it torch emulates them: on a 2-core AVX2 EPYC a
+    bfloat16 forward of SmolLM2-135M over 16 tokens took 2.6x the float32 one (docs/results.md, "run dtype")."""
+    if dtype not in HALF_PRECISIONS:
+        return True
+    if platform.machine().lower() in ("x86_64", "amd64", "i386", "i686"):
+        check = {torch.bfloat16: ("_is_avx512_bf16_supported", "_is_amx_tile_supported"),
+                 torch.float16: ("_is_amx_fp16_supported",)}[dtype]
+        return any(getattr(torch.cpu, name, lambda: False)() for name in check)
+    features = _arm_cpu_features()
+    return ("bf16" if dtype == torch.bfloat16 else "asimdhp") in features
+
+
+def run_in_fast_dtype(*models):
+    """`dtype="auto"`'s rule on a CPU: models stored in a half precision this CPU has no arithmetic for run in float32
+    (exact: every bfloat16 or float16 value is a float32 one; faster than torch's emulation), and a warning says so.
+    Returns the models, in the order given."""
+    stored = models[0].dtype
+    if models[0].device.type != "cpu" or cpu_has_native(stored):
+        return models
+    name = str(stored).removeprefix("torch.")
+    logger.warning(f"running in float32: the weights are {name}, which this CPU has no arithmetic for (emulated, "
+                   f"{name} runs slower than float32 here); --dtype {name} forces it")
+    return tuple(model.to(torch.float32) for model in models)
+
 
 def load(pair: str | Path | None = None, dtype: torch.dtype | str = "auto"):
     """`(target, drafter, tokenizer)` of a reference pair: a name (`"smollm2-135m"`, the default: SmolLM2-135M-Instruct
     and its bundled drafter; `"tiny"`: the small pair trained here) or a folder `reference build` wrote, in `dtype`
-    ("auto": the dtype the weights are stored in, the pair's run dtype)."""
+    ("auto": the dtype the weights are stored in, the pair's run dtype; float32 where that is a half precision this
+    CPU has no arithmetic for: `run_in_fast_dtype`)."""
     from transformers import AutoModel, AutoModelForCausalLM, AutoTokenizer
 
     import treeflash_hf  # noqa: F401  (registers the drafter class)
@@ -35,6 +76,8 @@ def load(pair: str | Path | None = None, dtype: torch.dtype | str = "auto"):
     tokenizer = AutoTokenizer.from_pretrained(tokenizer_dir)
     target = AutoModelForCausalLM.from_pretrained(target_dir, dtype=dtype, attn_implementation="sdpa").eval()
     drafter = AutoModel.from_pretrained(drafter_dir, dtype=target.dtype).eval()
+    if dtype == "auto":
+        target, drafter = run_in_fast_dtype(target, drafter)
     return target, drafter, tokenizer
 
 

@@ -453,6 +453,8 @@ def run(args: argparse.Namespace) -> int:
             raise SystemExit("error: --target needs --drafter (a drafter trained for that target).")
         tokenizer = AutoTokenizer.from_pretrained(args.tokenizer or args.target)
         target = AutoModelForCausalLM.from_pretrained(args.target, dtype=dtype).eval()
+        if dtype == "auto":
+            (target,) = reference.run_in_fast_dtype(target)
     else:  # the pair's target, and its drafter unless --drafter names another one trained for it
         target, drafter, tokenizer = reference.load(args.pair, dtype=dtype)
     if args.drafter:
@@ -522,8 +524,9 @@ def add_parser(subparsers) -> None:
                         help="prompts per generate() call, left-padded; autoregressive is transformers' batched "
                              "plain generate() on the same batches")
     parser.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"],
-                        help="run dtype (auto: the weights' own, bfloat16 for the bundled pair; float32 with "
-                             "--target-quant, where bfloat16 computes the torchao specs in bfloat16)")
+                        help="run dtype (auto: the weights' own, bfloat16 for the bundled pair, float32 on a CPU "
+                             "without arithmetic for the weights' half precision; float32 with --target-quant, where "
+                             "bfloat16 computes the torchao specs in bfloat16)")
     add_target_quant_argument(parser)
     parser.add_argument("--recalibrated", metavar="DIR",
                         help="a drafter recalibrated for --target-quant (`reference train-drafter --target-quant`): "

@@ -34,9 +34,11 @@ def load_models(args: argparse.Namespace):
     if args.target is None or args.drafter is None:
         raise SystemExit("Pass both --target and --drafter (or neither, for the bundled reference models).")
     tokenizer = AutoTokenizer.from_pretrained(args.tokenizer or args.target)
-    target = AutoModelForCausalLM.from_pretrained(args.target, dtype=dtype, attn_implementation="sdpa")
-    drafter = AutoModel.from_pretrained(args.drafter, dtype=target.dtype)
-    return target.eval(), drafter.eval(), tokenizer
+    target = AutoModelForCausalLM.from_pretrained(args.target, dtype=dtype, attn_implementation="sdpa").eval()
+    drafter = AutoModel.from_pretrained(args.drafter, dtype=target.dtype).eval()
+    if dtype == "auto":
+        target, drafter = reference.run_in_fast_dtype(target, drafter)
+    return target, drafter, tokenizer
 
 
 def demo_prompt(args: argparse.Namespace, tokenizer) -> tuple[str, bool]:
@@ -120,9 +122,15 @@ def run(args: argparse.Namespace) -> int:
             verdict = f"near-tie (top-2 gap {gap:.3g} <= {tolerance:.3g})" if tie else f"NO (top-2 gap {gap:.3g})"
             all_same &= tie
         print(f"{name:26s} {out.tau:5.2f} {kinds:>26s} {rate:9.1f} {rate / plain_rate:7.2f}x  {verdict}")
-    print("(the drafter alone: every step verifies the drafter's tree; the defaults add the lookup branch, which "
-          "copies what followed an earlier occurrence of the text's ending, and may verify it alone or skip the "
-          "drafter when that is faster)")
+    print("(the drafter alone: steps verify the drafter's tree; the defaults add the lookup branch, which copies what "
+          "followed an earlier occurrence of the text's ending, and may verify it alone or skip the drafter when "
+          "that is faster)")
+    for name, (out, _) in results.items():
+        plain_steps = out.step_kinds.count("plain")
+        if plain_steps:  # never silently off: say where the tree was left out
+            print(f"note: {name}: {plain_steps} of {len(out.step_kinds)} steps decoded plainly (tree_budget="
+                  f"{setting['tree_budget']}: where verifying a tree is expected to cost more than it saves on this "
+                  "host; --tree-budget 16 forces trees, `treeflash-hf profile --cost-table` shows the costs)")
     return 0 if all_same else 1
 
 
@@ -145,5 +153,6 @@ def add_parser(subparsers) -> None:
     parser.add_argument("--threads", type=positive_int, default=2)
     parser.add_argument("--repeats", type=positive_int, default=3, help="timed runs per method (median)")
     parser.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"],
-                        help="run dtype (auto: the weights' own, bfloat16 for the bundled pair)")
+                        help="run dtype (auto: the weights' own, bfloat16 for the bundled pair; float32 on a CPU without "
+                             "arithmetic for the weights' half precision)")
     parser.set_defaults(func=run)
