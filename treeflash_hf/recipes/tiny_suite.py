@@ -16,6 +16,7 @@ import numpy as np
 import torch
 
 from ..arguments import add_drafter_arguments, add_optimizer_arguments, device_name, non_negative_int, positive_int
+from ..optional import require
 from ..reference import load
 from .code_corpus import corpus_split, reserved_package_texts
 from .pairs import BUNDLED_DIR
@@ -196,7 +197,7 @@ def build_self_distillation(target, tokenizer, prompts: list[list[int]], out_dir
                             batch_size: int, temperature: float) -> None:
     """Answer `prompts` with the target (half greedy, half sampled at `temperature`), as a resumable Arrow set of
     `input_ids` and `loss_mask` (1 on the response): chunks land in `out_dir/chunks/` one by one."""
-    import datasets
+    datasets = require("datasets")
 
     from ..training.data import build_self_distillation_set
 
@@ -313,7 +314,7 @@ def build(args: argparse.Namespace) -> int:
             build_self_distillation(generator_model, tokenizer, prompts, sd_dir, args.sd_new_tokens,
                                     args.sd_batch_size, args.sd_temperature)
             del generator_model
-        import datasets
+        datasets = require("datasets")
 
         sd_set = datasets.load_from_disk(str(sd_dir / "dataset"))
         split = int(len(sd_set) * 0.95)

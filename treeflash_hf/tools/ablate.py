@@ -23,6 +23,7 @@ from types import SimpleNamespace
 import torch
 
 from ..arguments import add_pair_argument, positive_int
+from ..optional import pyplot
 
 VARIANTS = {
     "swiglu": ({}, False),
@@ -105,10 +106,7 @@ def summarize_seeds(per_seed: list[dict]) -> dict:
 
 def plot_ablation(rows: dict, budgets: list[int], seeds: list[int], out_dir: Path) -> Path:
     """τ at each budget and held-out KL of the AR distribution per variant: means over seeds, min-max whiskers."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    plt = pyplot()
 
     out_dir.mkdir(parents=True, exist_ok=True)
     names = list(rows)

@@ -23,6 +23,7 @@ import torch
 from transformers.generation import GenerationMixin
 
 from ..arguments import add_pair_argument, add_target_quant_argument, positive_int
+from ..optional import pyplot
 from ..recipes.prompt_sets import PromptFileError, load_prompts
 
 TREE_MODES = ("chain", "marginal_tree", "treeflash")
@@ -373,10 +374,7 @@ def print_table(report: dict) -> None:
 
 
 def plot(report: dict, out_dir: Path) -> list[Path]:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    plt = pyplot()
 
     out_dir.mkdir(parents=True, exist_ok=True)
     rows = report["results"].values()

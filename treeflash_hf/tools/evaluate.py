@@ -17,9 +17,9 @@ from pathlib import Path
 import torch
 
 from ..arguments import add_pair_argument, positive_int
-
 from ..engine.draft import TreeDrafter
 from ..engine.options import TreeOptions
+from ..optional import pyplot
 
 SOURCES = ("dflash", "treeflash", "target_marginal")
 
@@ -83,10 +83,7 @@ def eval_distributions(target, drafter, prompts_ids: list[torch.LongTensor], con
 
 
 def plot(report: dict, out_dir: Path) -> list[Path]:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    plt = pyplot()
 
     out_dir.mkdir(parents=True, exist_ok=True)
     written = []

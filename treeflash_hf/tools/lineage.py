@@ -29,6 +29,7 @@ from pathlib import Path
 import torch
 
 from ..arguments import add_pair_argument, positive_int
+from ..optional import pyplot
 
 
 def host() -> str:
@@ -75,10 +76,7 @@ def predictions(fit: tuple[float, float], taus: tuple[float, ...] = (2.5, 3.0),
 
 def plot_lineage(lineage: dict, path: Path) -> None:
     """τ against chat answer tokens (log scale), each point labelled, with the fit."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    plt = pyplot()
 
     points = lineage["points"]
     fig, ax = plt.subplots(figsize=(6.5, 4.2))

@@ -20,6 +20,7 @@ from pathlib import Path
 import torch
 
 from ..arguments import add_pair_argument, positive_int
+from ..optional import pyplot
 from .bench import Method, parse_methods, run_bench, with_drafter
 
 RECALIBRATED = "recalibrated"
@@ -82,10 +83,7 @@ def print_matrix(matrix: list[dict]) -> None:
 
 
 def plot_matrix(matrix: list[dict], out_dir: Path) -> Path:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    plt = pyplot()
 
     out_dir.mkdir(parents=True, exist_ok=True)
     labels = [label for label in matrix[0]["methods"] if label != "autoregressive"]

@@ -20,6 +20,7 @@ from pathlib import Path
 import torch
 
 from ..arguments import add_pair_argument, positive_int
+from ..optional import pyplot
 from .serving import running_server
 
 SERVERS = ("plain", "treeflash")
@@ -252,10 +253,7 @@ def format_load_table(report: dict) -> str:
 
 def plot_load(report: dict, out_dir: Path) -> Path:
     """Output tokens/s and median first-token latency by number of clients, one line per server."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    plt = pyplot()
 
     out_dir.mkdir(parents=True, exist_ok=True)
     fig, (rate_ax, ttft_ax) = plt.subplots(1, 2, figsize=(10, 4))

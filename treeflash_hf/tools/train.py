@@ -11,6 +11,7 @@ import torch
 
 from ..arguments import (add_drafter_arguments, add_optimizer_arguments, add_target_quant_argument, device_name,
                          non_negative_int, positive_int)
+from ..optional import require
 
 
 def load_data(path: str, seq_len: int, seed: int, pad_token_id: int):
@@ -21,7 +22,7 @@ def load_data(path: str, seq_len: int, seed: int, pad_token_id: int):
     if source.suffix == ".npy":
         return TokenStream(load_tokens(source), seq_len, seed=seed)
     if (source / "dataset_info.json").exists():
-        import datasets
+        datasets = require("datasets")
 
         return MaskedSequences(datasets.load_from_disk(str(source)), seq_len, pad_token_id, seed=seed)
     raise SystemExit(f"error: {source} is neither a .npy token stream nor a saved datasets folder.")

@@ -11,6 +11,8 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from ..optional import require
+
 
 def stable_split(relative_path: str, heldout_percent: int = 5) -> str:
     """"train" or "heldout" from a stable hash of the path (independent of machine and Python hash seed)."""
@@ -65,7 +67,7 @@ def build_self_distillation_set(
 
     Columns: `input_ids` (prompt + response), `loss_mask` (0 on the prompt, 1 on the response).
     """
-    import datasets
+    datasets = require("datasets")
 
     padding_side = tokenizer.padding_side
     tokenizer.padding_side = "left"
