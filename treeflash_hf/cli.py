@@ -75,8 +75,9 @@ def build_parser() -> argparse.ArgumentParser:
 
 def expected_errors() -> tuple[type[BaseException], ...]:
     """Failures a user can fix, whose messages say how: the project's errors (`ValueError` subclasses, and
-    `CheckpointError`), an optional package not installed (`MissingExtraError`), missing files and Hub failures (`OSError`, which includes huggingface_hub's HTTP errors),
-    corrupt weights (safetensors' own error) and the HTTP client's connection errors."""
+    `CheckpointError`), an optional package not installed (`MissingExtraError`), missing files and Hub failures
+    (`OSError`, which includes huggingface_hub's HTTP errors), corrupt weights (safetensors' own error) and the HTTP
+    client's connection errors."""
     errors: list[type[BaseException]] = [ValueError, OSError, CheckpointError, MissingExtraError]
     try:
         from safetensors import SafetensorError

@@ -59,10 +59,6 @@ def load(pair: str | Path | None = None, dtype: torch.dtype | str = "auto"):
     and its bundled drafter; `"tiny"`: the small pair trained here) or a folder `reference build` wrote, in `dtype`
     ("auto": the dtype the weights are stored in, the pair's run dtype; float32 where that is a half precision this
     CPU has no arithmetic for: `run_in_fast_dtype`)."""
-    from transformers import AutoModel, AutoModelForCausalLM, AutoTokenizer
-
-    import treeflash_hf  # noqa: F401  (registers the drafter class)
-
     pair = DEFAULT_PAIR if pair is None else pair
     if isinstance(pair, str) and pair in PAIRS:
         target_dir, drafter_dir, tokenizer_dir = pair_dirs(pair)
@@ -73,6 +69,17 @@ def load(pair: str | Path | None = None, dtype: torch.dtype | str = "auto"):
                 f"No reference models in {root}: pass a pair name ({', '.join(PAIRS)}) or run "
                 f"`treeflash-hf reference build --out {root}` first.")
         target_dir, drafter_dir, tokenizer_dir = root / "target", root / "drafter", root / "tokenizer"
+    return load_folders(target_dir, drafter_dir, tokenizer_dir, dtype)
+
+
+def load_folders(target_dir: str | Path, drafter_dir: str | Path, tokenizer_dir: str | Path,
+                 dtype: torch.dtype | str = "auto"):
+    """`(target, drafter, tokenizer)` from three model folders (or Hub ids): the target in `dtype` with SDPA
+    attention, the drafter in the target's dtype ("auto": as `load`)."""
+    from transformers import AutoModel, AutoModelForCausalLM, AutoTokenizer
+
+    import treeflash_hf  # noqa: F401  (registers the drafter class)
+
     tokenizer = AutoTokenizer.from_pretrained(tokenizer_dir)
     target = AutoModelForCausalLM.from_pretrained(target_dir, dtype=dtype, attn_implementation="sdpa").eval()
     drafter = AutoModel.from_pretrained(drafter_dir, dtype=target.dtype).eval()

@@ -24,8 +24,6 @@ TINY_PROMPT = (
 
 
 def load_models(args: argparse.Namespace):
-    from transformers import AutoModel, AutoModelForCausalLM, AutoTokenizer
-
     from .. import reference
 
     dtype = args.dtype if args.dtype == "auto" else getattr(torch, args.dtype)
@@ -33,12 +31,7 @@ def load_models(args: argparse.Namespace):
         return reference.load(args.pair, dtype=dtype)
     if args.target is None or args.drafter is None:
         raise SystemExit("Pass both --target and --drafter (or neither, for the bundled reference models).")
-    tokenizer = AutoTokenizer.from_pretrained(args.tokenizer or args.target)
-    target = AutoModelForCausalLM.from_pretrained(args.target, dtype=dtype, attn_implementation="sdpa").eval()
-    drafter = AutoModel.from_pretrained(args.drafter, dtype=target.dtype).eval()
-    if dtype == "auto":
-        target, drafter = reference.run_in_fast_dtype(target, drafter)
-    return target, drafter, tokenizer
+    return reference.load_folders(args.target, args.drafter, args.tokenizer or args.target, dtype)
 
 
 def demo_prompt(args: argparse.Namespace, tokenizer) -> tuple[str, bool]:
@@ -152,6 +145,6 @@ def add_parser(subparsers) -> None:
     parser.add_argument("--threads", type=positive_int, default=2)
     parser.add_argument("--repeats", type=positive_int, default=3, help="timed runs per method (median)")
     parser.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"],
-                        help="run dtype (auto: the weights' own, bfloat16 for the bundled pair; float32 on a CPU without "
-                             "arithmetic for the weights' half precision)")
+                        help="run dtype (auto: the weights' own, bfloat16 for the bundled pair; float32 on a CPU "
+                             "without arithmetic for the weights' half precision)")
     parser.set_defaults(func=run)
