@@ -35,14 +35,18 @@ def _synchronize(device: torch.device) -> None:
 
 
 def model_key(target) -> str:
-    """The cost curve's cache key: model, dtype, device, threads, and what quantizes the target (a backend applied
-    without transformers, e.g. `torchao.quantize_` or HQQ, leaves its config as the dense model's)."""
+    """The cost curve's cache key: model, dtype, device, threads, what quantizes the target (a backend applied
+    without transformers, e.g. `torchao.quantize_` or HQQ, leaves its config as the dense model's), and the kernels
+    a module names in its `cost_key` (e.g. linear layers through oneDNN's packed weights from some row count on)."""
     config = json.dumps(target.config.to_dict(), sort_keys=True, default=str)
     parts = [config, str(target.dtype), str(target.device), str(torch.get_num_threads()), torch.__version__,
              str(DEFAULT_SIZES)]
     backend = quantization_backend(target)
     if backend != NOT_QUANTIZED:  # only then, so that dense targets keep their keys and cached curves
         parts.append(backend)
+    kernels = sorted({key for module in target.modules() if (key := getattr(module, "cost_key", None))})
+    if kernels:  # likewise only when some module runs other kernels
+        parts.extend(kernels)
     return hashlib.sha1("|".join(parts).encode()).hexdigest()[:16]
 
 

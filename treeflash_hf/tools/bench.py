@@ -23,6 +23,7 @@ import torch
 from transformers.generation import GenerationMixin
 
 from ..arguments import add_pair_argument, add_target_quant_argument, positive_int
+from ..integrations.cpu_linear import is_packed
 from ..optional import pyplot
 from ..recipes.prompt_sets import PromptFileError, load_prompts
 
@@ -338,6 +339,7 @@ def run_bench(target, drafter, draft_lm, tokenizer, prompts: list[str], methods:
     return {"max_new_tokens": max_new_tokens, "temperature": temperature, "repeats": repeats,
             "plain_under_another_forward_shape": shape,
             "batch_size": batch_size, "dtype": str(target.dtype).removeprefix("torch."), "device": str(target.device),
+            "packed_linear": is_packed(target),
             "threads": torch.get_num_threads(), "results": table}
 
 
@@ -362,7 +364,8 @@ def print_table(report: dict) -> None:
         same = row.get("identical_to_autoregressive")
         print(f"{row['method']:24s} {str(row['budget'] or '-'):>6s} {row['tau']:6.2f} {row['tokens_per_s']:8.1f} "
               f"{spread:>15s} {row.get('speedup', float('nan')):7.2f}x {'' if same is None else same}")
-    print(f"(batch size {report.get('batch_size', 1)}, {report.get('dtype', '')}, target quantization "
+    kernels = ", linear layers packed for oneDNN" if report.get("packed_linear") else ""
+    print(f"(batch size {report.get('batch_size', 1)}, {report.get('dtype', '')}{kernels}, target quantization "
           f"{report.get('target_quant', 'none')}; identical: every row equals the "
           "target's own batch-1 greedy output; a near-tie is a first difference where the target's top-2 logits are "
           "within its dtype's rounding)")
@@ -452,11 +455,13 @@ def run(args: argparse.Namespace) -> int:
         tokenizer = AutoTokenizer.from_pretrained(args.tokenizer or args.target)
         target = AutoModelForCausalLM.from_pretrained(args.target, dtype=dtype).eval()
         if dtype == "auto":
-            (target,) = reference.run_in_fast_dtype(target)
+            (target,) = reference.run_fast_on_cpu(target)
     else:  # the pair's target, and its drafter unless --drafter names another one trained for it
         target, drafter, tokenizer = reference.load(args.pair, dtype=dtype)
     if args.drafter:
         drafter = AutoModel.from_pretrained(args.drafter, dtype=target.dtype).eval()
+        if dtype == "auto":
+            (drafter,) = reference.run_fast_on_cpu(drafter)
     try:
         target = quantize_target(target, args.target_quant, compute_dtype=target.dtype)
     except ValueError as err:
@@ -523,8 +528,10 @@ def add_parser(subparsers) -> None:
                              "plain generate() on the same batches")
     parser.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"],
                         help="run dtype (auto: the weights' own, bfloat16 for the bundled pair, float32 on a CPU "
-                             "without arithmetic for the weights' half precision; float32 with --target-quant, where "
-                             "bfloat16 computes the torchao specs in bfloat16)")
+                             "without arithmetic for the weights' half precision, with the linear layers through "
+                             "oneDNN's packed weights where that is timed faster (an explicit dtype keeps the stock "
+                             "kernels); float32 with --target-quant, where bfloat16 computes the torchao specs in "
+                             "bfloat16)")
     add_target_quant_argument(parser)
     parser.add_argument("--recalibrated", metavar="DIR",
                         help="a drafter recalibrated for --target-quant (`reference train-drafter --target-quant`): "

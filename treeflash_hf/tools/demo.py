@@ -60,6 +60,7 @@ def timed(generate, repeats: int):
 def run(args: argparse.Namespace) -> int:
     import treeflash_hf  # noqa: F401
 
+    from ..integrations.cpu_linear import is_packed
     from .bench import first_divergence_gap
 
     torch.set_num_threads(args.threads)
@@ -86,8 +87,9 @@ def run(args: argparse.Namespace) -> int:
                    for name in ("tree_mode", "tree_budget", "tree_lookup")}
         if chat:
             print(f"--- user ---\n{args.request}")
+        kernels = ", linear layers packed for oneDNN" if is_packed(target) else ""
         print(f"--- TreeFlash ({', '.join(f'{k}={v}' for k, v in setting.items())}), "
-              f"{str(target.dtype).removeprefix('torch.')} ---")
+              f"{str(target.dtype).removeprefix('torch.')}{kernels} ---")
         streamer = TextStreamer(tokenizer, skip_prompt=chat, skip_special_tokens=True)
         target.generate(**inputs, assistant_model=drafter, streamer=streamer, **knobs, **common)
         target.generate(**inputs, assistant_model=drafter, **runs["TreeFlash, drafter alone"], **common)
@@ -146,5 +148,6 @@ def add_parser(subparsers) -> None:
     parser.add_argument("--repeats", type=positive_int, default=3, help="timed runs per method (median)")
     parser.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"],
                         help="run dtype (auto: the weights' own, bfloat16 for the bundled pair; float32 on a CPU "
-                             "without arithmetic for the weights' half precision)")
+                             "without arithmetic for the weights' half precision, its linear layers through oneDNN's "
+                             "packed weights where that is timed faster)")
     parser.set_defaults(func=run)
