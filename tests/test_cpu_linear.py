@@ -150,6 +150,43 @@ def test_the_cost_curves_key_names_the_packed_kernels():
     assert model_key(target) == stock
 
 
+def test_the_bench_times_plain_decoding_on_the_stock_kernels_beside_the_packed_run(monkeypatch):
+    from treeflash_hf.tools.bench import parse_methods, run_bench
+
+    target, drafter, tokenizer = reference.load("tiny", dtype=torch.float32)
+    methods = parse_methods(["stock_kernels", "treeflash"], [8])
+    report = run_bench(target, drafter, None, tokenizer, ["def f(x):"], methods, 12, 0.0, 1, progress=False,
+                       measure_shape_noise=False)
+    assert "stock_kernels" not in report["results"]  # nothing packed: the same as autoregressive, left out
+    plan = dict.fromkeys(cpu_linear.linear_shapes(target, drafter), 0)
+    pack_linears(target, plan), pack_linears(drafter, plan)
+    stock_calls = []
+    linear = F.linear
+    monkeypatch.setattr(F, "linear", lambda *args, **kwargs: stock_calls.append(1) or linear(*args, **kwargs))
+    with cpu_linear.stock_kernels(target):
+        assert not is_packed(target)
+        target(torch.tensor([[1, 2, 3]]))
+    assert stock_calls and is_packed(target) and all(module.stock_max_rows == 0 for module in target.modules()
+                                                     if type(module) is PackedLinear)
+    report = run_bench(target, drafter, None, tokenizer, ["def f(x):"], methods, 12, 0.0, 1, progress=False,
+                       measure_shape_noise=False)
+    row = report["results"]["stock_kernels"]
+    assert report["packed_linear"] and row["new_tokens"] == 12 and row["identical_rows"] + row["near_tie_rows"] == 1
+
+
+def test_the_demo_shows_plain_decoding_on_the_stock_kernels_when_packed(monkeypatch, capsys):
+    from treeflash_hf.cli import main
+
+    monkeypatch.setattr(reference, "cpu_has_native", lambda dtype: False)  # the tiny pair runs as float32
+    monkeypatch.setattr(cpu_linear, "plan_packed_linears", lambda *models, **kwargs: dict.fromkeys(
+        cpu_linear.linear_shapes(*models), 0))
+    status = main(["demo", "--pair", "tiny", "--max-new-tokens", "16", "--repeats", "1"])
+    printed = capsys.readouterr().out
+    assert status == 0, printed
+    assert "linear layers packed for oneDNN" in printed and "plain, stock kernels" in printed
+    assert "TreeFlash over it: drafter alone" in printed
+
+
 def test_greedy_treeflash_over_a_packed_pair_is_the_packed_targets_own_output():
     target, drafter, tokenizer = reference.load("tiny", dtype=torch.float32)
     plan = dict.fromkeys(cpu_linear.linear_shapes(target, drafter), 1)  # a decode step stock, a verify step packed

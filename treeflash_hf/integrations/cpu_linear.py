@@ -18,6 +18,7 @@ compare outputs within one setting.
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import logging
 import time
@@ -124,6 +125,21 @@ def unpack_linears(model: nn.Module) -> int:
     return count
 
 
+@contextlib.contextmanager
+def stock_kernels(*models: nn.Module):
+    """Within the block the models' packed layers run torch's stock product (their packed copies and plan kept, and
+    back in use after): plain decoding as `from_pretrained` alone gives it, beside the packed run (the bench's
+    `stock_kernels`)."""
+    switched = [module for model in models for module in model.modules() if type(module) is PackedLinear]
+    for module in switched:
+        module.__class__ = nn.Linear
+    try:
+        yield
+    finally:
+        for module in switched:
+            module.__class__ = PackedLinear
+
+
 def _median_seconds(run, repeats: int) -> float:
     run()
     times = []
@@ -196,4 +212,4 @@ def plan_packed_linears(*models: nn.Module, rows: int = ROWS_HINT) -> dict[tuple
 
 
 __all__ = ["PackedLinear", "can_pack", "is_packed", "linear_shapes", "pack_linears", "packable_dtypes",
-           "plan_packed_linears", "unpack_linears"]
+           "plan_packed_linears", "stock_kernels", "unpack_linears"]

@@ -15,7 +15,7 @@ import json
 import statistics
 import time
 from collections import Counter
-from contextlib import contextmanager
+from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -23,21 +23,23 @@ import torch
 from transformers.generation import GenerationMixin
 
 from ..arguments import add_pair_argument, add_target_quant_argument, positive_int
-from ..integrations.cpu_linear import is_packed
+from ..integrations.cpu_linear import is_packed, stock_kernels
 from ..optional import pyplot
 from ..recipes.prompt_sets import PromptFileError, load_prompts
 
 TREE_MODES = ("chain", "marginal_tree", "treeflash")
-BASELINES = ("autoregressive", "compiled", "hf_assisted", "prompt_lookup", "hf_dflash")
+BASELINES = ("autoregressive", "stock_kernels", "compiled", "hf_assisted", "prompt_lookup", "hf_dflash")
+# `stock_kernels`: plain decoding on torch's stock linear products, where `dtype="auto"` packed the layers for oneDNN
+# (`integrations/cpu_linear.py`): what `from_pretrained` alone runs; every other method uses the packed layers
 # `compiled`: plain decoding with a static cache and torch.compile, what a user who wants speed does first; the cache
 # is sized once for every call (prompts are cut to 384 tokens), so one compiled decode graph serves every prompt
 COMPILED_CACHE_LEN = 1024
 # "<mode>+lookup": the same mode with the lookup branch (`tree_lookup=LOOKUP_LENGTH`, see lookup.py).
 LOOKUP_SUFFIX, LOOKUP_LENGTH = "+lookup", 32
 LOOKUP_MODES = ("treeflash+lookup", "auto+lookup")
-BASELINE_STYLES = {"autoregressive": ("black", ":"), "hf_assisted": ("tab:purple", "--"),
-                   "prompt_lookup": ("tab:brown", "--"), "hf_dflash": ("tab:gray", "-."), "auto": ("tab:red", "-"),
-                   "auto+lookup": ("tab:orange", "-")}
+BASELINE_STYLES = {"autoregressive": ("black", ":"), "stock_kernels": ("tab:gray", ":"),
+                   "hf_assisted": ("tab:purple", "--"), "prompt_lookup": ("tab:brown", "--"),
+                   "hf_dflash": ("tab:gray", "-."), "auto": ("tab:red", "-"), "auto+lookup": ("tab:orange", "-")}
 
 
 @dataclass
@@ -179,7 +181,7 @@ def compiled_config():
 
 
 def generate_kwargs(method: Method, drafter, draft_lm) -> dict:
-    if method.name == "autoregressive":
+    if method.name in ("autoregressive", "stock_kernels"):
         return {}
     if method.name == "compiled":
         return {"cache_implementation": "static", "max_cache_len": COMPILED_CACHE_LEN,
@@ -200,7 +202,8 @@ def run_method(target, inputs, method: Method, drafter, draft_lm, common: dict):
     """Returns (sequences, seconds, target forwards, accepted drafted tokens per row-step, row-steps or None)."""
     accepted: list[int] = []
     kwargs = generate_kwargs(method, drafter, draft_lm)
-    with count_forwards(target) as calls, record_stock_acceptance(accepted), torch.no_grad():
+    kernels = stock_kernels(target) if method.name == "stock_kernels" else nullcontext()
+    with count_forwards(target) as calls, record_stock_acceptance(accepted), torch.no_grad(), kernels:
         start = time.perf_counter()
         out = target.generate(**inputs, **common, **kwargs)
         seconds = time.perf_counter() - start
@@ -279,6 +282,10 @@ def run_bench(target, drafter, draft_lm, tokenizer, prompts: list[str], methods:
     if batch_size > 1 and (skipped := [m.label for m in methods if m.name in BATCH_ONE_ONLY]):
         print(f"batch size {batch_size}: skipping {skipped} (transformers' assisted generation takes batch size 1)")
         methods = [m for m in methods if m.name not in BATCH_ONE_ONLY]
+    if not is_packed(target) and any(m.name == "stock_kernels" for m in methods):
+        print("skipping stock_kernels: the target's linear layers run torch's stock kernels already "
+              "(packed for oneDNN only under --dtype auto, where timed faster)")
+        methods = [m for m in methods if m.name != "stock_kernels"]
     eos_ids = set(target.generation_config.eos_token_id if isinstance(target.generation_config.eos_token_id, list)
                   else [target.generation_config.eos_token_id])
     batches = encode_batches(tokenizer, prompts, batch_size, max_prompt_tokens, target.device)

@@ -60,7 +60,7 @@ def timed(generate, repeats: int):
 def run(args: argparse.Namespace) -> int:
     import treeflash_hf  # noqa: F401
 
-    from ..integrations.cpu_linear import is_packed
+    from ..integrations.cpu_linear import is_packed, stock_kernels
     from .bench import first_divergence_gap
 
     torch.set_num_threads(args.threads)
@@ -94,6 +94,11 @@ def run(args: argparse.Namespace) -> int:
         target.generate(**inputs, assistant_model=drafter, streamer=streamer, **knobs, **common)
         target.generate(**inputs, assistant_model=drafter, **runs["TreeFlash, drafter alone"], **common)
         plain, plain_s = timed(lambda: target.generate(**inputs, **common), args.repeats)
+        stock = None  # plain decoding as `from_pretrained` alone runs it, where the layers were packed for oneDNN
+        if is_packed(target):
+            with stock_kernels(target):
+                target.generate(**inputs, **{**common, "max_new_tokens": min(16, args.max_new_tokens)})
+                stock = timed(lambda: target.generate(**inputs, **common), args.repeats)
         results = {name: timed(lambda run_knobs=run_knobs: target.generate(
             **inputs, assistant_model=drafter, return_dict_in_generate=True, **run_knobs, **common), args.repeats)
             for name, run_knobs in runs.items()}
@@ -103,6 +108,11 @@ def run(args: argparse.Namespace) -> int:
     print(f"\n--- comparison (same process, after warm-up, median of {args.repeats} runs each) ---")
     print(f"{'method':26s} {'tau':>5s} {'steps: draft/lookup/plain':>26s} {'tokens/s':>9s} {'speedup':>8s}  identical")
     print(f"{'plain generate()':26s} {1.0:5.2f} {'-':>26s} {plain_rate:9.1f} {1.0:7.2f}x  -")
+    if stock is not None:
+        stock_rate = (stock[0].shape[1] - width) / stock[1]
+        same = "yes" if torch.equal(stock[0], plain) else "no: another kernel's rounding"
+        print(f"{'plain, stock kernels':26s} {1.0:5.2f} {'-':>26s} {stock_rate:9.1f} {stock_rate / plain_rate:7.2f}x  "
+              f"{same}")
     all_same = True
     for name, (out, seconds) in results.items():
         kinds = "/".join(str(out.step_kinds.count(kind)) for kind in ("draft", "lookup", "plain"))
@@ -119,6 +129,11 @@ def run(args: argparse.Namespace) -> int:
     print("(the drafter alone: steps verify the drafter's tree; the defaults add the lookup branch, which copies what "
           "followed an earlier occurrence of the text's ending, and may verify it alone or skip the drafter when "
           "that is faster)")
+    if stock is not None:
+        print("(plain, stock kernels: plain generate() on torch's own linear products, what `from_pretrained` alone "
+              "runs; TreeFlash over it: " + ", ".join(
+                  f"{name.removeprefix('TreeFlash, ')} {(out.sequences.shape[1] - width) / seconds / stock_rate:.2f}x"
+                  for name, (out, seconds) in results.items()) + ")")
     for name, (out, _) in results.items():
         plain_steps = out.step_kinds.count("plain")
         if plain_steps:  # never silently off: say where the tree was left out
