@@ -136,6 +136,19 @@ def test_the_timing_plans_every_shape_and_is_asked_once():
     assert cpu_linear.plan_packed_linears(nn.Sequential(nn.SiLU())) is None  # nothing to pack
 
 
+def test_no_plan_where_the_packed_copies_would_not_fit_in_memory(monkeypatch):
+    model = small_model()  # 2 * 48 * 96 float32 weights: 36,864 bytes of packed copies
+    cpu_linear._timed_plan.cache_clear()
+    monkeypatch.setattr(cpu_linear, "_timed_plan", lambda *args: (((96, 48), 0), ((48, 96), 0)))
+    monkeypatch.setattr(cpu_linear, "available_memory_bytes", lambda: 2 * 36_864)
+    assert cpu_linear.plan_packed_linears(model) == {(96, 48): 0, (48, 96): 0}
+    monkeypatch.setattr(cpu_linear, "available_memory_bytes", lambda: 2 * 36_864 - 1)
+    assert cpu_linear.plan_packed_linears(model) is None
+    monkeypatch.undo()
+    available = cpu_linear.available_memory_bytes()
+    assert available is None or available > 0  # (None where /proc/meminfo does not say)
+
+
 def test_the_cost_curves_key_names_the_packed_kernels():
     from treeflash_hf.engine.budget import model_key
 

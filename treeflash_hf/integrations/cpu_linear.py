@@ -9,8 +9,9 @@ graphs) is up to 2-4x faster there (docs/results.md, "Linear layers through oneD
 times both kernels on the models' own shapes and row counts, so each layer takes the packed one from the row count
 where it is faster, and a CPU where the stock kernel is the faster keeps it.
 
-The packed copy is a cache beside the weight, not a replacement: `state_dict`, tied weights and `save_pretrained` stay
-the stock ones, and a weight changed in place (`load_state_dict`) or replaced is packed again at the next forward.
+The packed copy is a cache beside the weight, not a replacement (a second copy of every packed weight in memory: the
+plan packs nothing where that would take more than `MEMORY_SHARE` of the memory available): `state_dict`, tied weights
+and `save_pretrained` stay the stock ones, and a weight changed in place (`load_state_dict`) or replaced is packed again at the next forward.
 The two kernels round differently (as torch's own kernels for different row counts do: float32 products differ by ~1e-6
 relative, bfloat16 ones by its rounding), so a packed model is a different run of the same weights in the same dtype:
 compare outputs within one setting.
@@ -32,6 +33,7 @@ logger = logging.getLogger(__name__)
 ROWS_HINT = 17  # a verify step's rows at tree budget 16: the row count oneDNN lays the weights out for
 PROBE_ROWS = (1, 2, 4)  # the few-row products timed for where the stock kernel stops being the faster
 VERIFY_MARGIN = 0.9  # packed only when clearly faster (timing noise) where speculation spends its time
+MEMORY_SHARE = 0.5  # the packed copies may take at most this share of the memory available when planned
 
 
 def _pack(weight: torch.Tensor, rows_hint: int) -> torch.Tensor:
@@ -140,6 +142,18 @@ def stock_kernels(*models: nn.Module):
             module.__class__ = PackedLinear
 
 
+def available_memory_bytes() -> int | None:
+    """The memory available to new allocations (Linux's MemAvailable), or None where it is not known."""
+    try:
+        with open("/proc/meminfo") as meminfo:
+            for line in meminfo:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except (OSError, ValueError, IndexError):
+        pass
+    return None
+
+
 def _median_seconds(run, repeats: int) -> float:
     run()
     times = []
@@ -200,13 +214,21 @@ def plan_packed_linears(*models: nn.Module, rows: int = ROWS_HINT) -> dict[tuple
     faster (float32 on the AVX2 EPYC: the output head from one row, the small layers from two; bfloat16 on a Xeon
     with AMX: every layer from one). None (stay stock) unless the layers, weighted by how many have each shape, then
     multiply `rows` rows in at most `VERIFY_MARGIN` of the stock time; None too when there is nothing to pack, the
-    layers mix dtypes or this torch has no oneDNN. Timed once per process, set of shapes, dtype and thread count
+    layers mix dtypes, their packed copies would take more than `MEMORY_SHARE` of the memory available, or this torch
+    has no oneDNN. Timed once per process, set of shapes, dtype and thread count
     (~2 s for a 135M model)."""
     dtypes = {module.weight.dtype for model in models for module in model.modules() if can_pack(module)}
     if len(dtypes) != 1:
         return None
     (dtype,) = dtypes
     shapes = linear_shapes(*models, dtype=dtype)
+    copies = sum(count * out_features * in_features for (out_features, in_features), count in shapes.items()) \
+        * dtype.itemsize
+    available = available_memory_bytes()
+    if available is not None and copies > MEMORY_SHARE * available:
+        logger.info("linear layers stay stock: their packed copies (%.1f GB) would take more than %d%% of the memory "
+                    "available (%.1f GB)", copies / 1e9, MEMORY_SHARE * 100, available / 1e9)
+        return None
     plan = _timed_plan(tuple(sorted(shapes.items())), rows, torch.get_num_threads(), dtype)
     return None if plan is None else dict(plan)
 
