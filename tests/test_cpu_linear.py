@@ -55,6 +55,38 @@ def test_module_state_stays_stock_and_unpacks():
     assert type(model[0]) is nn.Linear and "_packed" not in model[0].__dict__
 
 
+def test_a_packed_model_copies_and_saves_without_its_packed_copies(tmp_path):
+    import copy
+
+    model = small_model()
+    pack_linears(model, {(96, 48): 0, (48, 96): 0})
+    x = torch.randn(3, 48)
+    with torch.no_grad():
+        expected = model(x)  # the packed copies exist now
+        copied = copy.deepcopy(model)
+        torch.save(model, tmp_path / "model.pt")
+        loaded = torch.load(tmp_path / "model.pt", weights_only=False)
+        for other in (copied, loaded):
+            assert type(other[0]) is PackedLinear and other[0].stock_max_rows == 0
+            torch.testing.assert_close(other(x), expected)
+    assert "_packed" in model[0].__dict__  # the original keeps its cache
+
+
+def test_a_product_autograd_records_takes_the_stock_kernel(monkeypatch):
+    model = small_model()
+    pack_linears(model)
+    calls = []
+    packed_product = cpu_linear._packed_product
+    monkeypatch.setattr(cpu_linear, "_packed_product",
+                        lambda x, packed, bias: calls.append(1) or packed_product(x, packed, bias))
+    x = torch.randn(4, 48)
+    model(x).sum().backward()  # training through a packed model: the stock product, so gradients reach the weights
+    assert not calls and model[0].weight.grad is not None and model[2].weight.grad is not None
+    with torch.no_grad():
+        model(x)
+    assert len(calls) == 2
+
+
 def test_a_changed_weight_is_packed_again():
     """`load_state_dict` writes in place and a new Parameter replaces the old: the next forward uses the new weight
     (a stale packed copy would silently compute with the old one)."""

@@ -56,11 +56,17 @@ def packable_dtypes() -> tuple[torch.dtype, ...]:
 
 class PackedLinear(nn.Linear):
     """An `nn.Linear` (its class swapped in place by `pack_linears`) whose CPU forward multiplies by a oneDNN copy of
-    its weight. Anything else (an input of another dtype or device, a graph being compiled, at most `stock_max_rows`
-    rows) runs the stock `F.linear`."""
+    its weight. Anything else (an input of another dtype or device, a graph being compiled, a product autograd records:
+    the packed op has no backward, at most `stock_max_rows` rows) runs the stock `F.linear`."""
 
     packed_rows_hint: int = ROWS_HINT
     stock_max_rows: int = 0  # inputs of at most this many rows take the stock product (timed faster there)
+
+    def __getstate__(self) -> dict:
+        """Copied or pickled without the packed copy (an opaque oneDNN tensor: a cache, packed again when used)."""
+        state = self.__dict__.copy()
+        state.pop("_packed", None)
+        return state
 
     @property
     def cost_key(self) -> str:
@@ -70,6 +76,7 @@ class PackedLinear(nn.Linear):
     def forward(self, input: torch.Tensor) -> torch.Tensor:
         weight = self.weight
         if (torch.compiler.is_compiling() or input.device.type != "cpu" or input.dtype != weight.dtype
+                or (torch.is_grad_enabled() and (input.requires_grad or weight.requires_grad))  # (no backward)
                 or weight.dtype not in packable_dtypes() or type(weight) is not nn.Parameter  # (e.g. quantized since)
                 or input.numel() <= self.stock_max_rows * self.in_features):
             return F.linear(input, weight, self.bias)
