@@ -60,14 +60,11 @@ def run_fast_on_cpu(*models):
     (`integrations/cpu_linear.py`; a model run this way rounds a little differently from a stock one in the same
     dtype, like another kernel would).
     Returns the models, in the order given."""
-    from .integrations.cpu_linear import pack_linears, plan_packed_linears
+    from .integrations.cpu_linear import pack_where_faster
 
     models = run_in_fast_dtype(*models)
     if models[0].device.type == "cpu":
-        plan = plan_packed_linears(*models)
-        if plan is not None:
-            for model in models:
-                pack_linears(model, plan)
+        pack_where_faster(*models)
     return models
 
 

@@ -7,11 +7,12 @@ weight packed once for the row count a verify step multiplies (the op torch's ow
 graphs) is up to 2-4x faster there (docs/results.md, "Linear layers through oneDNN's packed weights").
 `pack_linears` switches a model's plain float32 or bfloat16 `nn.Linear` layers to that path; `plan_packed_linears`
 times both kernels on the models' own shapes and row counts, so each layer takes the packed one from the row count
-where it is faster, and a CPU where the stock kernel is the faster keeps it.
+where it is faster, and a CPU where the stock kernel is the faster keeps it; `pack_where_faster` does both.
 
 The packed copy is a cache beside the weight, not a replacement (a second copy of every packed weight in memory: the
 plan packs nothing where that would take more than `MEMORY_SHARE` of the memory available): `state_dict`, tied weights
-and `save_pretrained` stay the stock ones, and a weight changed in place (`load_state_dict`) or replaced is packed again at the next forward.
+and `save_pretrained` stay the stock ones, and a weight changed in place (`load_state_dict`) or replaced is packed
+again at the next forward.
 The two kernels round differently (as torch's own kernels for different row counts do: float32 products differ by ~1e-6
 relative, bfloat16 ones by its rounding), so a packed model is a different run of the same weights in the same dtype:
 compare outputs within one setting.
@@ -240,5 +241,13 @@ def plan_packed_linears(*models: nn.Module, rows: int = ROWS_HINT) -> dict[tuple
     return None if plan is None else dict(plan)
 
 
-__all__ = ["PackedLinear", "can_pack", "is_packed", "linear_shapes", "pack_linears", "packable_dtypes",
-           "plan_packed_linears", "stock_kernels", "unpack_linears"]
+def pack_where_faster(*models: nn.Module, rows: int = ROWS_HINT) -> bool:
+    """`plan_packed_linears` on these models together, then `pack_linears` on each by that plan, with the weights laid
+    out for the `rows` rows the plan was timed at (a verify step's, or a generation batch's). Returns whether any
+    layer was packed."""
+    plan = plan_packed_linears(*models, rows=rows)
+    return plan is not None and sum(pack_linears(model, plan, rows_hint=rows) for model in models) > 0
+
+
+__all__ = ["PackedLinear", "can_pack", "is_packed", "linear_shapes", "pack_linears", "pack_where_faster",
+           "packable_dtypes", "plan_packed_linears", "stock_kernels", "unpack_linears"]
