@@ -249,6 +249,37 @@ def test_the_recipe_cuts_chat_windows_from_the_committed_shards_too(tmp_path):
     assert corpus_folder(Namespace()) is None
 
 
+def test_skipped_training_windows_are_the_first_of_the_same_shuffle(tmp_path, monkeypatch):
+    """`--skip-training-windows N` leaves out exactly the first N training windows of the order a store over the same
+    data and seed would hold (a continued drafter gets the windows an earlier store had no features for); the
+    held-out windows stay."""
+    from argparse import Namespace
+
+    from treeflash_hf.recipes import code_corpus
+    from treeflash_hf.recipes.drafter_recipe import make_windows
+
+    class Tokenizer:  # code_stream's needs: ids per text and the end-of-text token
+        def __call__(self, texts, add_special_tokens=False):
+            return {"input_ids": [[3 + len(text) % 7] * 40 for text in texts]}
+
+        def convert_tokens_to_ids(self, token):
+            return 1
+
+    monkeypatch.setattr(code_corpus, "corpus_split", lambda site_packages: {"train": ["a" * i for i in range(60)],
+                                                                           "heldout": ["b" * i for i in range(9)]})
+    (tmp_path / "work").mkdir()
+    corpus.write_shard(tmp_path / "corpus", random_rows(40, 500), vocab_size=500, end_token_id=0, generation=SETTINGS)
+    args = dict(seq_len=15, code_tokens=320, heldout_windows=4, seed=0, corpus=str(tmp_path / "corpus"))
+    work = tmp_path / "work"
+    full, full_masks, heldout, _ = make_windows(Tokenizer(), work, Namespace(**args, skip_training_windows=0))
+    part, part_masks, _, sizes = make_windows(Tokenizer(), work, Namespace(**args, skip_training_windows=7))
+    assert heldout == 4 and len(full) > heldout + 7 and sizes["skipped_training_windows"] == 7
+    assert np.array_equal(part, np.concatenate([full[:heldout], full[heldout + 7:]]))
+    assert np.array_equal(part_masks, np.concatenate([full_masks[:heldout], full_masks[heldout + 7:]]))
+    with pytest.raises(SystemExit, match="leaves none of the"):
+        make_windows(Tokenizer(), work, Namespace(**args, skip_training_windows=len(full) - heldout))
+
+
 def test_import_keeps_each_request_once(tmp_path):
     """Shards grown elsewhere in parallel (each process knowing only the corpus) join it without a request twice:
     a request already in the corpus, or in an earlier imported shard, is dropped; so is a sampled request sharing

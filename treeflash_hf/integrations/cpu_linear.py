@@ -122,6 +122,11 @@ def is_packed(model: nn.Module) -> bool:
     return any(type(module) is PackedLinear for module in model.modules())
 
 
+def kernels_note(packed: bool) -> str:
+    """The phrase the printers add to a run's dtype when its linear layers ran packed ("" when they did not)."""
+    return ", linear layers packed for oneDNN" if packed else ""
+
+
 def unpack_linears(model: nn.Module) -> int:
     """Back to stock `nn.Linear` layers and their packed copies freed. Returns the number of layers switched back."""
     count = 0

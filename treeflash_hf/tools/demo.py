@@ -60,7 +60,7 @@ def timed(generate, repeats: int):
 def run(args: argparse.Namespace) -> int:
     import treeflash_hf  # noqa: F401
 
-    from ..integrations.cpu_linear import is_packed, stock_kernels
+    from ..integrations.cpu_linear import is_packed, kernels_note, stock_kernels
     from .bench import first_divergence_gap
 
     torch.set_num_threads(args.threads)
@@ -87,7 +87,7 @@ def run(args: argparse.Namespace) -> int:
                    for name in ("tree_mode", "tree_budget", "tree_lookup")}
         if chat:
             print(f"--- user ---\n{args.request}")
-        kernels = ", linear layers packed for oneDNN" if is_packed(target) else ""
+        kernels = kernels_note(is_packed(target))
         print(f"--- TreeFlash ({', '.join(f'{k}={v}' for k, v in setting.items())}), "
               f"{str(target.dtype).removeprefix('torch.')}{kernels} ---")
         streamer = TextStreamer(tokenizer, skip_prompt=chat, skip_special_tokens=True)
