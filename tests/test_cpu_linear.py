@@ -76,8 +76,8 @@ def test_a_product_autograd_records_takes_the_stock_kernel(monkeypatch):
     model = small_model()
     pack_linears(model)
     calls = []
-    packed_product = cpu_linear._packed_product
-    monkeypatch.setattr(cpu_linear, "_packed_product",
+    packed_product = cpu_linear.packed_product
+    monkeypatch.setattr(cpu_linear, "packed_product",
                         lambda x, packed, bias: calls.append(1) or packed_product(x, packed, bias))
     x = torch.randn(4, 48)
     model(x).sum().backward()  # training through a packed model: the stock product, so gradients reach the weights
@@ -129,8 +129,8 @@ def test_a_plan_keeps_few_rows_on_the_stock_product_and_leaves_out_shapes(monkey
     assert pack_linears(model, {(96, 48): 2}) == 1  # the (48, 96) layer is not in the plan: stays stock
     assert type(model[0]) is PackedLinear and type(model[2]) is nn.Linear and model[0].stock_max_rows == 2
     calls = []
-    packed_product = cpu_linear._packed_product
-    monkeypatch.setattr(cpu_linear, "_packed_product",
+    packed_product = cpu_linear.packed_product
+    monkeypatch.setattr(cpu_linear, "packed_product",
                         lambda x, packed, bias: calls.append(tuple(x.shape)) or packed_product(x, packed, bias))
     with torch.no_grad():
         for shape in ((1, 48), (2, 48), (1, 2, 48), (3, 48), (2, 2, 48)):

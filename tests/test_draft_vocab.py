@@ -11,6 +11,7 @@ from transformers import AutoModel
 
 from treeflash_hf import TreeFlashCandidateGenerator, TreeOptions
 from treeflash_hf.engine.draft import TargetHead
+from treeflash_hf.integrations import cpu_linear
 from treeflash_hf.training.draft_vocab import frequent_tokens
 from treeflash_hf.recipes.testing import matching_drafter, random_target
 from treeflash_hf.engine.validation import TreeFlashInputError
@@ -153,6 +154,28 @@ def test_head_rows_of_the_draft_vocab_are_gathered_once(pair):
     called = TargetHead(torch.nn.Sequential(target.lm_head), 64, torch.device("cpu"), torch.float32)
     assert called.weight is None
     torch.testing.assert_close(called.logits(hidden, vocab), head.logits(hidden, vocab))
+
+
+@pytest.mark.skipif(not cpu_linear.packable_dtypes(), reason="this torch has no oneDNN")
+def test_head_rows_take_the_kernel_the_targets_head_runs(pair):
+    """A target whose head runs through oneDNN's packed weights (`pack_linears`) has its draft vocabulary's rows
+    scored the same way; a stock head keeps the stock product. Both give the rows' logits."""
+    target, _ = pair
+    vocab, hidden = half_vocab(seed=5), torch.randn(5, 64)
+    head = torch.nn.Linear(64, VOCAB, bias=True)
+    stock = TargetHead.of(head, 64, torch.device("cpu"), torch.float32)
+    assert stock.weight_rows(vocab)[2] is None
+    expected = stock.logits(hidden, vocab)
+    cpu_linear.pack_linears(torch.nn.Sequential(head))
+    packed = TargetHead.of(head, 64, torch.device("cpu"), torch.float32)
+    assert packed is not stock  # (packing swaps the class in place: the kept TargetHead is made again)
+    assert packed.weight_rows(vocab)[2] is not None
+    calls = []
+    with mock.patch("treeflash_hf.engine.draft.packed_product",
+                    side_effect=lambda *args: calls.append(1) or cpu_linear.packed_product(*args)):
+        with torch.no_grad():
+            torch.testing.assert_close(packed.logits(hidden, vocab), expected, rtol=1e-5, atol=1e-5)
+    assert calls == [1]
 
 
 def test_frequent_tokens_rank_by_count_and_keep_required_tokens():

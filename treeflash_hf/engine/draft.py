@@ -18,6 +18,7 @@ import torch
 
 from .cache import drafter_cache, repack, select_rows, valid_or_all
 from .lookup import with_lookup_branch
+from .onednn import pack_weight, packable_dtypes, packed_product
 from .options import TreeOptions
 from .trace import DRAFT, DRAFTER_FORWARD, TREE, record_function, traced
 from .tree import ChildList, DraftTree, TreeBatch, best_first_tree, best_first_trees, chain_tree, table_children
@@ -226,7 +227,7 @@ class TargetHead:
         self.module_device = device if stored is None else stored.device  # where the head takes its inputs
         self.weight: torch.Tensor | None = None
         self.bias: torch.Tensor | None = None
-        self.kept_rows: tuple | None = None  # (token ids, their version, their weight rows, their bias)
+        self.kept_rows: tuple | None = None  # (token ids, their version, their weight rows, their bias, packed rows)
         if is_plain_linear(lm_head):
             # plain tensors: the drafter side indexes rows and must not take part in the target's collectives
             self.weight = full_tensor(lm_head.weight).to(device)
@@ -236,14 +237,16 @@ class TargetHead:
             return
         # The first call: the head must take drafter hidden states, and a dense copy must give what it gives.
         probe = torch.randn(4, hidden_size, generator=torch.Generator().manual_seed(0)).to(device, dtype)
-        reference = self.call(probe)  # [4, V]
+        with torch.no_grad():
+            reference = self.call(probe)  # [4, V]
         self.vocab_size = reference.shape[-1]
         weight = dense_weight_candidate(lm_head)
         if weight is None or tuple(weight.shape) != (self.vocab_size, hidden_size):
             return
         weight = weight.to(device, dtype)
         bias = None if getattr(lm_head, "bias", None) is None else lm_head.bias.to(device, dtype)
-        dense = probe @ weight.T if bias is None else probe @ weight.T + bias
+        with torch.no_grad():
+            dense = probe @ weight.T if bias is None else probe @ weight.T + bias
         if same_logits(dense, reference, dtype):
             self.weight, self.bias = weight, bias
             self.use_faster_copy()
@@ -265,7 +268,8 @@ class TargetHead:
         if lm_head is None:
             return cls(lm_head, hidden_size, device, dtype)
         tensors = itertools.chain(lm_head.parameters(), lm_head.buffers())
-        key = (hidden_size, str(device), dtype, tuple(tensor_identity(t) for t in tensors))
+        kernels = (type(lm_head), getattr(lm_head, "packed_rows_hint", None), getattr(lm_head, "stock_max_rows", None))
+        key = (hidden_size, str(device), dtype, kernels, tuple(tensor_identity(t) for t in tensors))
         kept = _TARGET_HEADS.get(lm_head)
         if kept is None or kept[0] != key:
             kept = (key, cls(lm_head, hidden_size, device, dtype))
@@ -301,23 +305,35 @@ class TargetHead:
         if self.weight is None:
             logits = self.call(hidden)
             return logits if token_ids is None else logits.index_select(-1, token_ids.to(logits.device))
-        weight, bias = (self.weight, self.bias) if token_ids is None else self.weight_rows(token_ids)
+        weight, bias, packed = (self.weight, self.bias, None) if token_ids is None else self.weight_rows(token_ids)
         # as contiguous 2-D flat: a 3-D input converted from float32 keeps its slice's batch stride, a layout the
         # CPU's bfloat16 product handles many times slower
         flat = hidden.reshape(-1, hidden.shape[-1]).to(weight.dtype)
-        logits = flat @ weight.T if bias is None else torch.addmm(bias, flat, weight.T)
+        if packed is not None and flat.shape[0] > self.module.stock_max_rows:
+            logits = packed_product(flat, packed, bias)
+        else:
+            logits = flat @ weight.T if bias is None else torch.addmm(bias, flat, weight.T)
         return logits.to(hidden.dtype).view(*hidden.shape[:-1], logits.shape[-1])
 
-    def weight_rows(self, token_ids: torch.LongTensor) -> tuple[torch.Tensor, torch.Tensor | None]:
+    def weight_rows(self, token_ids: torch.LongTensor) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
         """The head's weight rows `[V', H]` (and bias `[V']`) of `token_ids`, gathered once into a contiguous matrix
-        and kept while the ids stay the same (a small matrix stays in the CPU's cache; the full one does not)."""
+        and kept while the ids stay the same (a small matrix stays in the CPU's cache; the full one does not); with
+        them their oneDNN-packed copy when the target's head runs packed (`runs_packed`), else None."""
         kept = self.kept_rows  # (kept by reference: a freed tensor's id and memory can be reused by new ids)
         if kept is None or kept[0] is not token_ids or kept[1] != token_ids._version:
             index = token_ids.to(self.weight.device)
-            kept = (token_ids, token_ids._version, self.weight[index].contiguous(),
-                    None if self.bias is None else self.bias[index])
+            rows = self.weight[index].contiguous()
+            packed = pack_weight(rows, self.module.packed_rows_hint) if self.runs_packed(rows) else None
+            kept = (token_ids, token_ids._version, rows, None if self.bias is None else self.bias[index], packed)
             self.kept_rows = kept
-        return kept[2], kept[3]
+        return kept[2], kept[3], kept[4]
+
+    def runs_packed(self, weight: torch.Tensor) -> bool:
+        """Whether the target's head multiplies through oneDNN's packed weights (`integrations/cpu_linear.py`, where
+        that was timed faster on this CPU), so that rows of `weight` are scored the same way: on a CPU, in a dtype
+        oneDNN multiplies, the bias (if any) in the weight's dtype."""
+        return (hasattr(self.module, "packed_rows_hint") and weight.device.type == "cpu"
+                and weight.dtype in packable_dtypes() and (self.bias is None or self.bias.dtype == weight.dtype))
 
     def shortlist_logits(self, hidden: torch.Tensor, tokens: torch.LongTensor) -> torch.Tensor:
         """Logits of groups of rows `hidden [..., G, H]` on their group's tokens `tokens [..., C]` (the same leading

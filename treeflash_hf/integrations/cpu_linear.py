@@ -29,30 +29,14 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from ..engine.onednn import pack_weight, packable_dtypes, packed_product
+
 logger = logging.getLogger(__name__)
 
 ROWS_HINT = 17  # a verify step's rows at tree budget 16: the row count oneDNN lays the weights out for
 PROBE_ROWS = (1, 2, 4)  # the few-row products timed for where the stock kernel stops being the faster
 VERIFY_MARGIN = 0.9  # packed only when clearly faster (timing noise) where speculation spends its time
 MEMORY_SHARE = 0.5  # the packed copies may take at most this share of the memory available when planned
-
-
-def _pack(weight: torch.Tensor, rows_hint: int) -> torch.Tensor:
-    return torch.ops.mkldnn._reorder_linear_weight(weight.detach(), rows_hint)
-
-
-def _packed_product(input: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-    return torch.ops.mkldnn._linear_pointwise(input, packed, bias, "none", [], "")
-
-
-@functools.cache
-def packable_dtypes() -> tuple[torch.dtype, ...]:
-    """The dtypes oneDNN multiplies here: float32, and bfloat16 / float16 where the CPU has their arithmetic."""
-    if not torch.backends.mkldnn.is_available() or not hasattr(torch.ops.mkldnn, "_reorder_linear_weight"):
-        return ()
-    half = {torch.bfloat16: torch.ops.mkldnn._is_mkldnn_bf16_supported,
-            torch.float16: torch.ops.mkldnn._is_mkldnn_fp16_supported}
-    return (torch.float32, *(dtype for dtype, supported in half.items() if supported()))
 
 
 class PackedLinear(nn.Linear):
@@ -85,9 +69,9 @@ class PackedLinear(nn.Linear):
         key = (id(weight), weight._version, weight.data_ptr())
         state = getattr(self, "_packed", None)
         if state is None or state[0] != key:
-            state = (key, _pack(weight, self.packed_rows_hint), weight)  # (the weight kept: its id stays unique)
+            state = (key, pack_weight(weight, self.packed_rows_hint), weight)  # (the weight kept: its id stays unique)
             self._packed = state
-        return _packed_product(input, state[1], self.bias)
+        return packed_product(input, state[1], self.bias)
 
 
 def can_pack(module: nn.Module) -> bool:
@@ -199,13 +183,13 @@ def _timed_plan(shapes: tuple[tuple[tuple[int, int], int], ...], rows: int, thre
     plan = []
     for (out_features, in_features), count in shapes:
         weight = torch.randn(out_features, in_features).to(dtype)
-        packed_weight = _pack(weight, rows)
+        packed_weight = pack_weight(weight, rows)
         repeats = 3 if out_features * in_features > 8_000_000 else 9  # an output head is timed fewer times
         times = {}
         for r in row_counts:
             x = torch.randn(r, in_features).to(dtype)
             times[r] = (_median_seconds(lambda: F.linear(x, weight), repeats),
-                        _median_seconds(lambda: _packed_product(x, packed_weight, None), repeats))
+                        _median_seconds(lambda: packed_product(x, packed_weight, None), repeats))
         # the stock product below the first timed row count where the packed one is faster; never faster: not packed
         crossover = next((r for r in row_counts if times[r][1] < times[r][0]), None)
         if crossover is not None:
