@@ -147,9 +147,9 @@ def test_head_rows_of_the_draft_vocab_are_gathered_once(pair):
     vocab = half_vocab(seed=5)
     hidden = torch.randn(3, 64)
     torch.testing.assert_close(head.logits(hidden, vocab), head.logits(hidden)[:, vocab])
-    rows = head.weight_rows(vocab)[0]
-    assert head.weight_rows(vocab)[0] is rows  # kept while the ids are the same
-    assert head.weight_rows(half_vocab(seed=6))[0] is not rows
+    rows = head.weight_rows(vocab).weight
+    assert head.weight_rows(vocab).weight is rows  # kept while the ids are the same
+    assert head.weight_rows(half_vocab(seed=6)).weight is not rows
     # a head without a dense weight (called as a module) scores every token, then keeps the draft vocabulary's
     called = TargetHead(torch.nn.Sequential(target.lm_head), 64, torch.device("cpu"), torch.float32)
     assert called.weight is None
@@ -164,12 +164,12 @@ def test_head_rows_take_the_kernel_the_targets_head_runs(pair):
     vocab, hidden = half_vocab(seed=5), torch.randn(5, 64)
     head = torch.nn.Linear(64, VOCAB, bias=True)
     stock = TargetHead.of(head, 64, torch.device("cpu"), torch.float32)
-    assert stock.weight_rows(vocab)[2] is None
+    assert stock.weight_rows(vocab).packed is None
     expected = stock.logits(hidden, vocab)
     cpu_linear.pack_linears(torch.nn.Sequential(head))
     packed = TargetHead.of(head, 64, torch.device("cpu"), torch.float32)
     assert packed is not stock  # (packing swaps the class in place: the kept TargetHead is made again)
-    assert packed.weight_rows(vocab)[2] is not None
+    assert packed.weight_rows(vocab).packed is not None
     calls = []
     with mock.patch("treeflash_hf.engine.draft.packed_product",
                     side_effect=lambda *args: calls.append(1) or cpu_linear.packed_product(*args)):

@@ -97,6 +97,19 @@ class ARTable:
 
 
 @dataclass
+class HeadRows:
+    """The head's rows of a draft vocabulary `token_ids [V']` (None: the whole head), kept by `TargetHead.weight_rows`
+    while the ids (by reference and `version`) stay the same: `weight [V', H]`, `bias [V']` or None, and `packed`, their
+    oneDNN-packed copy when the target's head runs packed, else None."""
+
+    token_ids: torch.LongTensor | None
+    version: int
+    weight: torch.Tensor
+    bias: torch.Tensor | None
+    packed: torch.Tensor | None
+
+
+@dataclass
 class StageTwoInputs:
     """What stage 2 reads of the rows of one draft, stacked once per tree step.
 
@@ -227,7 +240,7 @@ class TargetHead:
         self.module_device = device if stored is None else stored.device  # where the head takes its inputs
         self.weight: torch.Tensor | None = None
         self.bias: torch.Tensor | None = None
-        self.kept_rows: tuple | None = None  # (token ids, their version, their weight rows, their bias, packed rows)
+        self.kept_rows: HeadRows | None = None
         if is_plain_linear(lm_head):
             # plain tensors: the drafter side indexes rows and must not take part in the target's collectives
             self.weight = full_tensor(lm_head.weight).to(device)
@@ -305,28 +318,31 @@ class TargetHead:
         if self.weight is None:
             logits = self.call(hidden)
             return logits if token_ids is None else logits.index_select(-1, token_ids.to(logits.device))
-        weight, bias, packed = (self.weight, self.bias, None) if token_ids is None else self.weight_rows(token_ids)
+        rows = HeadRows(None, 0, self.weight, self.bias, None) if token_ids is None else self.weight_rows(token_ids)
         # as contiguous 2-D flat: a 3-D input converted from float32 keeps its slice's batch stride, a layout the
         # CPU's bfloat16 product handles many times slower
-        flat = hidden.reshape(-1, hidden.shape[-1]).to(weight.dtype)
-        if packed is not None and flat.shape[0] > self.module.stock_max_rows:
-            logits = packed_product(flat, packed, bias)
+        flat = hidden.reshape(-1, hidden.shape[-1]).to(rows.weight.dtype)
+        if rows.packed is not None and flat.shape[0] > self.module.stock_max_rows:
+            logits = packed_product(flat, rows.packed, rows.bias)
+        elif rows.bias is None:
+            logits = flat @ rows.weight.T
         else:
-            logits = flat @ weight.T if bias is None else torch.addmm(bias, flat, weight.T)
+            logits = torch.addmm(rows.bias, flat, rows.weight.T)
         return logits.to(hidden.dtype).view(*hidden.shape[:-1], logits.shape[-1])
 
-    def weight_rows(self, token_ids: torch.LongTensor) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
-        """The head's weight rows `[V', H]` (and bias `[V']`) of `token_ids`, gathered once into a contiguous matrix
-        and kept while the ids stay the same (a small matrix stays in the CPU's cache; the full one does not); with
-        them their oneDNN-packed copy when the target's head runs packed (`runs_packed`), else None."""
+    def weight_rows(self, token_ids: torch.LongTensor) -> HeadRows:
+        """The head's `HeadRows` of `token_ids`, gathered once into a contiguous matrix and kept while the ids stay the
+        same (a small matrix stays in the CPU's cache; the full one does not), packed when the target's head runs
+        packed (`runs_packed`)."""
         kept = self.kept_rows  # (kept by reference: a freed tensor's id and memory can be reused by new ids)
-        if kept is None or kept[0] is not token_ids or kept[1] != token_ids._version:
+        if kept is None or kept.token_ids is not token_ids or kept.version != token_ids._version:
             index = token_ids.to(self.weight.device)
-            rows = self.weight[index].contiguous()
-            packed = pack_weight(rows, self.module.packed_rows_hint) if self.runs_packed(rows) else None
-            kept = (token_ids, token_ids._version, rows, None if self.bias is None else self.bias[index], packed)
+            weight = self.weight[index].contiguous()
+            packed = pack_weight(weight, self.module.packed_rows_hint) if self.runs_packed(weight) else None
+            kept = HeadRows(token_ids, token_ids._version, weight, None if self.bias is None else self.bias[index],
+                            packed)
             self.kept_rows = kept
-        return kept[2], kept[3], kept[4]
+        return kept
 
     def runs_packed(self, weight: torch.Tensor) -> bool:
         """Whether the target's head multiplies through oneDNN's packed weights (`integrations/cpu_linear.py`, where
