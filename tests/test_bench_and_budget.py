@@ -322,6 +322,33 @@ def test_auto_budget_costs_verification_and_drafting_as_measured_at_each_batch_s
     assert measured.overheads(8, 12)[5:] == pytest.approx([measured.overheads(8, 12)[5]] * 7)
 
 
+def test_auto_budget_fits_the_cost_per_depth_on_steps_that_scored_once():
+    """A deepened step scores the whole block and searches its trees again, and a first call's first steps pay
+    one-time work: both run deep (or wide) and slow for reasons other than depth. Read as a cost per depth they
+    made narrow widths look cheap (on the SmolLM2 pair auto settled at width 4 where widths 6-10 ran faster)."""
+    curve = {1: 0.05, 8: 0.06, 16: 0.07}
+
+    def fitted(deepened_extra: float, first_call_extra: float) -> AutoBudget:
+        """Widths 6 and 8 alternate, the rest of a step 5 ms + 0.5 ms per scored depth; every fifth step is
+        deepened (the whole block's 15 depths, `deepened_extra` more), the first four pay `first_call_extra`."""
+        budget = AutoBudget(curve, explore_every=10**6, warmup_steps=4)
+        for step in range(60):
+            width, deepened = (6, 8)[step % 2], step % 5 == 4
+            depth = 15 if deepened else width - 1
+            rest = 0.005 + 0.0005 * depth + deepened * deepened_extra + (step < 4) * first_call_extra
+            verify = budget.verify_cost(width)
+            budget.observe([width], [list(range(1, 3))], seconds=verify + rest, verify_seconds=verify,
+                           drafted_depth=depth, deepened=deepened)
+        return budget
+
+    clean = fitted(0.0, 0.0)
+    assert clean.depth_cost == pytest.approx(0.0005)
+    slowed = fitted(deepened_extra=0.004, first_call_extra=0.03)
+    assert slowed.depth_cost == pytest.approx(0.0005)
+    # the deepened steps' time still counts in what a step costs: they happen at these widths
+    assert slowed.overhead[1] > clean.overhead[1]
+
+
 def test_auto_budget_decoding_is_lossless(models, tmp_path_factory):
     target, drafter, _ = models
     prompt = torch.tensor([[4, 8, 15, 16, 23, 42]])

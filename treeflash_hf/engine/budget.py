@@ -22,7 +22,9 @@ from transformers import DynamicCache
 from .tree import DraftTree
 from .verify import NOT_QUANTIZED, quantization_backend
 
-DEFAULT_SIZES = (1, 2, 4, 8, 16, 24, 32, 48, 64, 96, 128, 192, 256)
+# every size up to 8 and every other to 16: a single row's widths live there, and a CPU's curve is flat up to a
+# kernel's tile and then bends, which linear interpolation between powers of two smears over the widths around it
+DEFAULT_SIZES = (1, 2, 3, 4, 5, 6, 7, 8, 10, 12, 14, 16, 20, 24, 32, 48, 64, 96, 128, 192, 256)
 
 
 def cache_dir() -> Path:
@@ -120,7 +122,8 @@ class AutoBudget:
       place p over the steps that verified it, shrunk toward 0 where few did.
     - `c` is the target's measured verification cost curve, `scale` what verifying at this number of rows measured
       against it, `overhead` the measured rest of a drafted step, adjusted by `depth_cost` seconds per drafted
-      depth and row (fitted on how the rest of a step moves with its depth).
+      depth and row (fitted on how the rest of a step moves with its depth, over the steps that scored their depths
+      once: `observe`).
     - The width is settled before the step (`plan`), kept unless another beats it by `switch_margin`, and now and
       then a step explores a quarter wider so the places past it stay measured; a settled width doubles the wait
       between explorations (up to `max_explore_every`).
@@ -165,9 +168,12 @@ class AutoBudget:
         self.overhead: dict[int, float] = {}  # rows -> recent seconds of a drafted step besides the verification
         self.verify_scale: dict[int, float] = {}  # rows -> recent measured verification seconds / c(rows * width)
         self.drafted_depth: dict[int, float] = {}  # rows -> recent drafted depth of the steps behind `overhead`
-        # decayed sums over drafted steps, of (depth - its rows' recent depth)^2 and of that times (per-row rest -
-        # its rows' recent per-row rest): their ratio is `depth_cost`
+        # decayed sums over the fitted steps (`observe`), of (depth - its rows' recent depth)^2 and of that times
+        # (per-row rest - its rows' recent per-row rest), both recent figures those of fitted steps alone: their
+        # ratio is `depth_cost`
         self.depth_moments = [0.0, 0.0]
+        self.fitted_depth: dict[int, float] = {}  # rows -> recent drafted depth of the fitted steps
+        self.fitted_rest: dict[int, float] = {}  # rows -> their recent rest per row
         self.max_depth = max_depth  # the drafter's deepest draft (its block size - 1); None: no limit
         self.depth_cap: int | None = None  # the depths a drafted step scores at most (`plan`'s); None: no cap
         self.overhead_smoothing = 0.8  # a step's time varies little: follow it closely
@@ -289,11 +295,17 @@ class AutoBudget:
         return width
 
     def observe(self, sizes: list[int], paths: list[list[int]], seconds: float,
-                verify_seconds: float | None = None, drafted_depth: int | None = None) -> None:
+                verify_seconds: float | None = None, drafted_depth: int | None = None,
+                deepened: bool = False) -> None:
         """One verified drafted step: the rows' verified trees' nodes, each row's accepted path (node numbers), the
         step's wall time from drafting to acceptance and, of it, the verification's (the target's forward and the
-        acceptance; None: not measured apart, taken as the cost curve's figure), and the depths the drafter scored
-        (None: those of the widest verified tree)."""
+        acceptance; None: not measured apart, taken as the cost curve's figure), the depths the drafter scored
+        (None: those of the widest verified tree), and whether its trees asked for the depths left unscored (then
+        searched again).
+
+        `depth_cost` is fitted on steps that scored their depths once, after the warm-up: a deepened step scores
+        the whole block and searches twice, and the first steps of a first call pay one-time work; both would be
+        read as a cost per depth and make narrow widths look cheaper than they run (docs/design.md, "auto")."""
         rows = len(sizes)
         width = max(sizes)
         sizes = torch.tensor(sizes)
@@ -308,15 +320,19 @@ class AutoBudget:
         verify_seconds = predicted if verify_seconds is None else verify_seconds
         rest = max(0.0, seconds - verify_seconds)
         drafted = self.drafted_depth_of(width) if drafted_depth is None else drafted_depth
-        if rows in self.overhead:
-            depth_gap, rest_gap = drafted - self.drafted_depth[rows], (rest - self.overhead[rows]) / rows
+        # the depth fit reads steps that scored their depths once, after the warm-up (see above)
+        fitted = not deepened and self.observed_steps > self.warmup_steps
+        if fitted and rows in self.fitted_depth:
+            depth_gap, rest_gap = drafted - self.fitted_depth[rows], rest / rows - self.fitted_rest[rows]
             self.depth_moments = [self.smoothing * self.depth_moments[0] + depth_gap ** 2,
                                   self.smoothing * self.depth_moments[1] + depth_gap * rest_gap]
         for figures, value in ((self.overhead, rest), (self.verify_scale, verify_seconds / max(predicted, 1e-9)),
-                               (self.drafted_depth, drafted)):
+                               (self.drafted_depth, drafted), (self.fitted_depth, drafted if fitted else None),
+                               (self.fitted_rest, rest / rows if fitted else None)):
             old = figures.get(rows)
-            figures[rows] = value if old is None else \
-                self.overhead_smoothing * old + (1 - self.overhead_smoothing) * value
+            if value is not None:
+                figures[rows] = value if old is None else \
+                    self.overhead_smoothing * old + (1 - self.overhead_smoothing) * value
 
     def choose_lookup(self, chains: list[DraftTree], share=None) -> int:
         """The width of lookup branches verified alone: their path probabilities come from the lookup's own

@@ -212,6 +212,7 @@ class StepPlan:
     ngrams: list[int]
     branch_expected: list[float | None]
     drafted_depth: int = 0  # on a draft step, the depths the drafter scored
+    deepened: bool = False  # on a draft step, whether its trees asked for the depths left unscored
 
 
 def lookup_branches(rows: Rows, lookup_rates, lengths: list[int]):
@@ -283,6 +284,7 @@ def plan_step(rows: Rows, options: TreeOptions, learned, generator: TreeDrafter,
         deepest = deepest_node(plan.trees)
         if generator.search_stopped_at_scored_depth(blocks, deepest):
             generator.score_deeper(blocks)
+            plan.deepened = True
             plan.trees = generator.build_trees(blocks, budget, capped)
             deepest = deepest_node(plan.trees)
         learned.scored_depth.observe(deepest)
@@ -328,7 +330,7 @@ def learn_from_step(learned, plan: StepPlan, accepted: list[Acceptance], seconds
     learned.schedule.observe(plan.kind, seconds, accepted_lengths, plan.branch_expected)
     if learned.auto_budget is not None and plan.kind == "draft":
         learned.auto_budget.observe(plan.trees.size_list(), [result.path for result in accepted], seconds,
-                                    verify_seconds, plan.drafted_depth)
+                                    verify_seconds, plan.drafted_depth, plan.deepened)
 
 
 @dataclass
