@@ -62,21 +62,22 @@ def test_lookup_branch_is_merged_into_the_best_first_search():
 
 
 def test_lookup_rates_learn_per_depth_up_to_the_first_miss():
+    BIGRAM = ("sequence", 2)
     rates = LookupRates(priors=(0.5,) * 6, prior_count=2.0, decay=1.0)
-    rates.observe(2, proposed=[1, 2, 3, 4], target_tokens=[1, 2, 9, 4])  # depths 1, 2 hit; 3 misses; 4 untried
-    assert rates.rate(2, depth=1) == pytest.approx((1 + 1) / (1 + 2))
-    assert rates.rate(2, depth=2) == pytest.approx((1 + 1) / (1 + 2))
-    assert rates.rate(2, depth=3) == pytest.approx((0 + 1) / (1 + 2))
-    assert rates.rate(2, depth=4) == rates.rate(2, depth=3)  # one bucket for depths 3-4
-    assert rates.rate(1) == pytest.approx(0.5)
+    rates.observe(BIGRAM, proposed=[1, 2, 3, 4], target_tokens=[1, 2, 9, 4])  # depths 1, 2 hit; 3 misses; 4 untried
+    assert rates.rate(BIGRAM, depth=1) == pytest.approx((1 + 1) / (1 + 2))
+    assert rates.rate(BIGRAM, depth=2) == pytest.approx((1 + 1) / (1 + 2))
+    assert rates.rate(BIGRAM, depth=3) == pytest.approx((0 + 1) / (1 + 2))
+    assert rates.rate(BIGRAM, depth=4) == rates.rate(BIGRAM, depth=3)  # one bucket for depths 3-4
+    assert rates.rate(("sequence", 1)) == pytest.approx(0.5)
     # The branch is cut after the first token whose path probability drops below the floor.
-    assert useful_length(rates.log_probs(2, 10), min_path_prob=0.4) == 3  # path probs 2/3, 4/9, 4/27 (kept)
-    assert useful_length(rates.log_probs(2, 10), min_path_prob=1e-9) == 10
+    assert useful_length(rates.log_probs(BIGRAM, 10), min_path_prob=0.4) == 3  # path probs 2/3, 4/9, 4/27 (kept)
+    assert useful_length(rates.log_probs(BIGRAM, 10), min_path_prob=1e-9) == 10
 
 
 def test_scheduler_skips_the_drafter_only_when_that_is_faster():
     scheduler = StepScheduler(explore_every=1000)
-    expected = expected_accepted(LookupRates().log_probs(2, 4))  # a 4-token branch from a bigram match
+    expected = expected_accepted(LookupRates().log_probs(("sequence", 2), 4))  # a 4-token branch from a bigram match
     assert scheduler.choose([expected]) == "draft"  # nothing measured yet
     scheduler.observe("draft", seconds=0.010, accepted=[3], branch_expected=[expected])
     assert scheduler.choose([expected]) == "lookup"  # a draft step is measured, a lookup step not yet: try it
@@ -221,3 +222,16 @@ def test_learned_state_carries_over_calls_per_pair_and_settings(looping_pair):
     forget_learned_state(drafter)
     fresh = learned_state(drafter, target, options, greedy)
     assert fresh is not state and not fresh.schedule.seconds
+
+
+def test_a_drafted_step_is_judged_by_the_part_of_the_branch_its_tree_holds():
+    # a 20-token branch verified alone may yield 6 tokens; a drafted tree of 8 nodes holds 7 of them, worth 2
+    scheduler = StepScheduler(explore_every=1000)
+    scheduler.observe("draft", seconds=0.010, accepted=[3], branch_expected=[2.0])  # the drafter added 1
+    scheduler.observe("lookup", seconds=0.009, accepted=[6], branch_expected=[6.0])
+    assert scheduler.drafter_gain == 1.0
+    assert scheduler.expected_tokens([6.0], in_tree=[2.0]) == {"draft": 1 + 2.0 + 1.0, "lookup": 1 + 6.0}
+    assert scheduler.choose([6.0], in_tree=[2.0]) == "lookup"  # 7 tokens in 9 ms beat 4 in 10
+    # judged by the whole branch, the drafted step would be credited with tokens its tree cannot hold (8 in 10 ms)
+    assert scheduler.expected_tokens([6.0])["draft"] == 1 + 6.0 + 1.0
+    assert scheduler.choose([6.0]) == "draft"

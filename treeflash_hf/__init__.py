@@ -18,6 +18,7 @@ logging.getLogger("torch.utils._pytree").addFilter(
 
 from transformers import AutoConfig, AutoModel  # noqa: E402
 
+from .engine.answer_store import AnswerStore, attach_answer_store
 from .engine.decode import TreeFlashGenerateOutput, TreeFlashStats, treeflash_decode, treeflash_generate
 from .engine.draft import BlockDraft, TreeDrafter
 from .engine.learned import forget_learned_state
@@ -40,6 +41,7 @@ install_generate_hook()
 install_auto_model_hook()  # AutoModel.from_pretrained(<z-lab DFlash or TreeFlash-release drafter>) -> our drafter
 
 __all__ = [
+    "AnswerStore",
     "BlockDraft",
     "DraftTree",
     "TreeDrafter",
@@ -50,6 +52,7 @@ __all__ = [
     "TreeFlashInputError",
     "TreeFlashStats",
     "TreeOptions",
+    "attach_answer_store",
     "forget_learned_state",
     "treeflash_decode",
     "treeflash_generate",

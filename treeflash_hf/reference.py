@@ -13,6 +13,7 @@ from pathlib import Path
 
 import torch
 
+from .recipes.corpus import ensure_answer_store, repository_corpus
 from .recipes.pairs import BUNDLED_DIR, DEFAULT_PAIR, PAIRS, pair_dirs
 
 logger = logging.getLogger(__name__)
@@ -76,6 +77,8 @@ def load(pair: str | Path | None = None, dtype: torch.dtype | str = "auto"):
     pair = DEFAULT_PAIR if pair is None else pair
     if isinstance(pair, str) and pair in PAIRS:
         target_dir, drafter_dir, tokenizer_dir = pair_dirs(pair)
+        if pair == "smollm2-135m":  # its lookup branch also reads the target's answers in the committed corpus
+            ensure_answer_store(drafter_dir, repository_corpus())
     else:
         root = Path(pair)
         if not (root / "target").exists():

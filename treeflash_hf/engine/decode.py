@@ -28,11 +28,13 @@ from transformers.generation.stopping_criteria import (
 )
 from transformers.generation.utils import GenerateDecoderOnlyOutput
 
+from .answer_store import AnswerStore
 from .accept import Acceptance, RowProcessor, greedy_accept, sampled_accept, walk_tree
 from .cache import append_rows, check_cache_supported, compact_cache, growing_cache, repack, select_rows, valid_or_all
 from .draft import DraftContext, TreeDrafter
 from .learned import learned_state
-from .lookup import MAX_NGRAM, MIN_PATH_PROB, expected_accepted, ngram_continuation, useful_length
+from .lookup import (MAX_NGRAM, MIN_PATH_PROB, NO_SOURCE, LookupSource, expected_accepted, ngram_continuation,
+                     useful_length)
 from .options import OPTION_NAMES, TreeOptions
 from .sync import DecisionSync
 from .trace import ACCEPT, COMMIT, PREFILL, traced
@@ -203,30 +205,46 @@ class Rows:
 @dataclass
 class StepPlan:
     """What one step verifies. kind: `"draft"`, `"lookup"` or `"plain"` (see `lookup.StepScheduler`); trees: every
-    row's tree (`TreeBatch`); branches / ngrams / branch_expected: each row's lookup branch (tokens, log-probs), its
-    n-gram order and its expected accepted tokens (None: no branch)."""
+    row's tree (`TreeBatch`); branches / sources / branch_expected: each row's lookup branch (tokens, log-probs),
+    where it came from (`LookupSource`) and its expected accepted tokens (None: no branch; on a draft step, of the
+    part the tree was offered)."""
 
     kind: str
     trees: TreeBatch | None
     branches: list[tuple[list[int], list[float]]]
-    ngrams: list[int]
+    sources: list[LookupSource]
     branch_expected: list[float | None]
     drafted_depth: int = 0  # on a draft step, the depths the drafter scored
     deepened: bool = False  # on a draft step, whether its trees asked for the depths left unscored
 
 
-def lookup_branches(rows: Rows, lookup_rates, lengths: list[int]):
-    """Per row, the lookup branch `(tokens, log_probs)` of at most `lengths[r]` tokens (empty when the row's text
-    has no match) and its n-gram order, cut where its path probability falls below `MIN_PATH_PROB`."""
-    branches, orders = [], []
+def lookup_branches(rows: Rows, lookup_rates, lengths: list[int], store: AnswerStore | None = None):
+    """Per row, the lookup branch `(tokens, log_probs)` of at most `lengths[r]` tokens (empty when nothing matches)
+    and its source (`LookupSource`), cut where its path probability falls below `MIN_PATH_PROB`: the continuation
+    from the row's own text (`ngram_continuation`) or, with an answer `store`, from the target's earlier answers,
+    whichever the learned acceptance rates expect to yield more."""
+    branches, sources = [], []
     for token_ids, pad, length in zip(rows.token_ids, rows.pads, lengths):
-        tokens, ngram = (ngram_continuation(torch.tensor(token_ids[pad:]), MAX_NGRAM, length) if length > 0
-                         else ([], 0))
-        log_probs = lookup_rates.log_probs(ngram, len(tokens)) if tokens else []
-        keep = useful_length(log_probs, MIN_PATH_PROB) if tokens else 0
-        branches.append((tokens[:keep], log_probs[:keep]))
-        orders.append(ngram)
-    return branches, orders
+        best, best_expected = ([], [], NO_SOURCE), -1.0
+        candidates = []
+        if length > 0:
+            sequence = token_ids[pad:]
+            tokens, ngram = ngram_continuation(torch.tensor(sequence), MAX_NGRAM, length)
+            candidates.append((tokens, ("sequence", ngram)))
+            if store is not None:
+                match = store.continuation(sequence, length)
+                candidates.append((match.tokens, ("store", match.order)))
+        for tokens, source in candidates:
+            if not tokens:
+                continue
+            log_probs = lookup_rates.log_probs(source, len(tokens))
+            keep = useful_length(log_probs, MIN_PATH_PROB)
+            expected = expected_accepted(log_probs[:keep])
+            if expected > best_expected:
+                best, best_expected = (tokens[:keep], log_probs[:keep], source), expected
+        branches.append(best[:2])
+        sources.append(best[2])
+    return branches, sources
 
 
 def deepest_node(trees: TreeBatch) -> int:
@@ -244,12 +262,16 @@ def plan_step(rows: Rows, options: TreeOptions, learned, generator: TreeDrafter,
     # the budget counts the root; under "auto" a branch verified alone may fill the largest measured forward
     lookup_cap = options.tree_budget if auto_budget is None else max(1, auto_budget.max_size // num_rows)
     lookup_lengths = [min(options.tree_lookup, left - 1, lookup_cap - 1) for left in remaining]
-    branches, ngrams = lookup_branches(rows, learned.lookup_rates, lookup_lengths)
+    branches, sources = lookup_branches(rows, learned.lookup_rates, lookup_lengths, generator.answer_store)
     branch_expected = [expected_accepted(log_probs) if tokens else None for tokens, log_probs in branches]
+    # a drafted tree holds fewer of a long branch's tokens than a step verifying the branch alone (under "auto",
+    # about the settled width's): judged by what it holds, the drafter's gain is not read as a loss
+    tree_holds = (options.tree_budget if auto_budget is None else auto_budget.last_best) - 1
+    in_tree = [expected_accepted(log_probs[:tree_holds]) if tokens else None for tokens, log_probs in branches]
     # budget 1 is plain decoding asked for (or all "auto" can verify per row): nothing for the scheduler to choose
     plain_bound = {} if auto_budget is None else {"plain": auto_budget.verify_cost(num_rows)}
     kind = "plain" if lookup_cap == 1 else schedule.choose(branch_expected, share=sync.share_step_kind,
-                                                            lower_bounds=plain_bound)
+                                                            lower_bounds=plain_bound, in_tree=in_tree)
     budget = options.tree_budget
     # a chain reaches every depth it drafts: only trees score their depths lazily
     lazy_depths = options.tree_mode != "chain"
@@ -259,7 +281,7 @@ def plan_step(rows: Rows, options: TreeOptions, learned, generator: TreeDrafter,
         budget = auto_budget.plan(num_rows, share=sync.share_int, may_explore=not sync.share_int(schedule.explored),
                                   depth_cap=learned.scored_depth.depth(generator.block_size - 1) if lazy_depths
                                   else None)
-    plan = StepPlan(kind, None, branches, ngrams, branch_expected)
+    plan = StepPlan(kind, None, branches, sources, branch_expected)
     if kind == "plain":  # the roots alone; the drafter catches up with its next draft
         plan.trees = TreeBatch.roots(torch.tensor(rows.root_tokens))
     elif kind == "lookup":  # the lookup branches alone; likewise
@@ -273,6 +295,7 @@ def plan_step(rows: Rows, options: TreeOptions, learned, generator: TreeDrafter,
         prev_tokens = [token_ids[-2] for token_ids in rows.token_ids]
         capped = [(tokens[: budget - 1], log_probs[: budget - 1]) if tokens else None
                   for tokens, log_probs in branches]
+        plan.branch_expected = [None if branch is None else expected_accepted(branch[1]) for branch in capped]
         depth_limit = min(max(remaining), budget) - 1
         scored = learned.scored_depth.depth(depth_limit, max((len(branch[0]) for branch in capped if branch),
                                                              default=0)) if lazy_depths else None
@@ -323,9 +346,9 @@ def learn_from_step(learned, plan: StepPlan, accepted: list[Acceptance], seconds
     """Feed what the step showed to the state carried across calls: lookup acceptance rates, the scheduler's times
     and yields, auto's per-place acceptance rates and costs (`seconds`: the whole step; `verify_seconds`: of it,
     the target's forward and the acceptance)."""
-    for (tokens, _), ngram, result in zip(plan.branches, plan.ngrams, accepted):
+    for (tokens, _), source, result in zip(plan.branches, plan.sources, accepted):
         if tokens:
-            learned.lookup_rates.observe(ngram, tokens, result.tokens)
+            learned.lookup_rates.observe(source, tokens, result.tokens)
     accepted_lengths = [len(result.path) for result in accepted]
     learned.schedule.observe(plan.kind, seconds, accepted_lengths, plan.branch_expected)
     if learned.auto_budget is not None and plan.kind == "draft":

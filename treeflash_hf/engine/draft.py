@@ -16,6 +16,7 @@ from dataclasses import dataclass
 
 import torch
 
+from .answer_store import answer_store_of
 from .cache import drafter_cache, repack, select_rows, valid_or_all
 from .lookup import with_lookup_branch
 from .onednn import pack_weight, packable_dtypes, packed_product
@@ -410,6 +411,15 @@ class TreeDrafter:
         on_cpu = drafter.device.type == "cpu"
         self.ar_shortlist: int | None = max(top_m, MIN_AR_SHORTLIST) if on_cpu or top_m > MIN_AR_SHORTLIST else None
         self.device = drafter.device  # read once: a model's `device` property walks its parameters
+        # The lookup branch's second source: the target's earlier answers (`answer_store.py`), when the drafter has
+        # a store and the branch is on.
+        self.answer_store = answer_store_of(drafter) if options.tree_lookup else None
+        vocab_size = target.config.get_text_config().vocab_size
+        if self.answer_store is not None and self.answer_store.vocab_size != vocab_size:
+            raise TreeFlashInputError(
+                f"The drafter's answer store was built for a vocabulary of {self.answer_store.vocab_size} tokens, "
+                f"this target has {vocab_size}: rebuild it from this target's answers (`treeflash-hf answer-store`) "
+                "or detach it (`attach_answer_store(drafter, None)`).")
         # transformers' assisted loop merges this into the target's forward kwargs.
         self.model_kwargs_overrides = {"output_hidden_states": [i + 1 for i in self.target_layer_ids]}
 

@@ -20,6 +20,10 @@ import torch
 from .tree import ChildList
 
 MAX_NGRAM = 3  # longest n-gram matched first (then shorter ones)
+# Where a branch came from: ("sequence", n) a match of the last n tokens in the row's own text, ("store", n) in the
+# answer store (`answer_store.py`); each learns its own acceptance rates.
+LookupSource = tuple[str, int]
+NO_SOURCE: LookupSource = ("none", 0)
 # A proposed token whose path probability falls below this is the branch's last (see `useful_length`).
 MIN_PATH_PROB = 0.05
 
@@ -50,34 +54,34 @@ def depth_bucket(depth: int) -> int:
 
 @dataclass
 class LookupRates:
-    """Per (n-gram length, depth bucket), the running probability that a proposed token is accepted when its
-    parent was: a Beta prior of `prior_count` pseudo-trials at `priors[bucket]`, then exponentially weighted
+    """Per (branch source, depth bucket), the running probability that a proposed token is accepted when its
+    parent was (a source: `LookupSource`, where the branch came from and the length of its match): a Beta prior of `prior_count` pseudo-trials at `priors[bucket]`, then exponentially weighted
     counts. Deep buckets start optimistic (repeated text tends to keep repeating) and learn from every token
     proposed there."""
 
     priors: tuple[float, ...] = (0.5, 0.6, 0.7, 0.8, 0.85, 0.9)
     prior_count: float = 2.0
     decay: float = 0.98
-    successes: dict[tuple[int, int], float] = field(default_factory=dict)
-    trials: dict[tuple[int, int], float] = field(default_factory=dict)
+    successes: dict[tuple[LookupSource, int], float] = field(default_factory=dict)
+    trials: dict[tuple[LookupSource, int], float] = field(default_factory=dict)
 
-    def rate(self, ngram: int, depth: int = 1) -> float:
-        key = (ngram, depth_bucket(depth))
+    def rate(self, source: LookupSource, depth: int = 1) -> float:
+        key = (source, depth_bucket(depth))
         successes = self.successes.get(key, 0.0) + self.priors[key[1]] * self.prior_count
         return successes / (self.trials.get(key, 0.0) + self.prior_count)
 
-    def log_probs(self, ngram: int, length: int) -> list[float]:
+    def log_probs(self, source: LookupSource, length: int) -> list[float]:
         """Conditional log-probability of each proposed token at depths 1..length."""
-        return [math.log(self.rate(ngram, depth)) for depth in range(1, length + 1)]
+        return [math.log(self.rate(source, depth)) for depth in range(1, length + 1)]
 
-    def observe(self, ngram: int, proposed: list[int], target_tokens: list[int]) -> None:
+    def observe(self, source: LookupSource, proposed: list[int], target_tokens: list[int]) -> None:
         """`target_tokens`: the target's own tokens at depths 1, 2, ... (as far as verification reached). Each
         proposed token whose predecessors all matched is one trial at its depth."""
-        for key in [k for k in self.trials if k[0] == ngram]:
+        for key in [k for k in self.trials if k[0] == source]:
             self.successes[key] *= self.decay
             self.trials[key] *= self.decay
         for depth, (proposed_token, target_token) in enumerate(zip(proposed, target_tokens), start=1):
-            key = (ngram, depth_bucket(depth))
+            key = (source, depth_bucket(depth))
             self.trials[key] = self.trials.get(key, 0.0) + 1
             self.successes.setdefault(key, 0.0)
             if proposed_token != target_token:
@@ -159,32 +163,37 @@ class StepScheduler:
     wait_limit: dict[str, int] = field(default_factory=dict)  # per kind, its current exploration wait
     explored: bool = False  # whether the last choice was a try (an untried or a losing kind), not the best kind
 
-    def expected_tokens(self, branch_expected: list[float | None]) -> dict[str, float | None]:
-        """Per step kind, the tokens the batch is expected to emit (None: not yet known)."""
-        with_branch = [e for e in branch_expected if e is not None]
+    def expected_tokens(self, branch_expected: list[float | None],
+                        in_tree: list[float | None] | None = None) -> dict[str, float | None]:
+        """Per step kind, the tokens the batch is expected to emit (None: not yet known). `in_tree`: per row, what
+        its branch is expected to yield inside a drafted tree, which holds fewer of a long branch's tokens than a
+        step verifying the branch alone (None: as much)."""
+        in_tree = branch_expected if in_tree is None else in_tree
+        with_branch = [(e, t) for e, t in zip(branch_expected, in_tree) if e is not None]
         without_branch = len(branch_expected) - len(with_branch)
         draft = 0.0
         if with_branch:
-            draft = None if self.drafter_gain is None else sum(1 + e + self.drafter_gain for e in with_branch)
+            draft = None if self.drafter_gain is None else sum(1 + t + self.drafter_gain for _, t in with_branch)
         if without_branch and draft is not None:
             draft = None if self.draft_tokens is None else draft + without_branch * self.draft_tokens
         tokens = {"draft": draft}
         if with_branch:
-            tokens["lookup"] = without_branch + sum(1 + e for e in with_branch)
+            tokens["lookup"] = without_branch + sum(1 + e for e, _ in with_branch)
         if self.allow_plain:
             tokens["plain"] = float(len(branch_expected))
         return tokens
 
     def choose(self, branch_expected: list[float | None], share=None,
-               lower_bounds: dict[str, float] | None = None) -> str:
-        """The kind of the next step, given each row's lookup-branch expected accepted tokens (None: no branch).
+               lower_bounds: dict[str, float] | None = None, in_tree: list[float | None] | None = None) -> str:
+        """The kind of the next step, given each row's lookup-branch expected accepted tokens (None: no branch;
+        `in_tree`: inside a drafted tree, see `expected_tokens`).
         `share(kind) -> kind` (tensor parallelism: rank 0's choice on every rank) settles the choice before this
         scheduler records it. `lower_bounds`: per kind, a known lower bound of its step time at this number of
         rows (a plain step costs at least the target's forward over one token per row): such a kind is judged at
         its bound until measured, and is explored only while it would win at its bound."""
         rows = len(branch_expected)
         bounds = lower_bounds or {}
-        tokens = self.expected_tokens(branch_expected)
+        tokens = self.expected_tokens(branch_expected, in_tree)
         for kind in tokens:
             self.waited[kind] = self.waited.get(kind, 0) + 1
         seconds = {kind: self.seconds.get((kind, rows), bounds.get(kind)) for kind in tokens}

@@ -51,6 +51,7 @@ import numpy as np
 import torch
 
 from ..arguments import add_device_argument, positive_int
+from ..engine.answer_store import STORE_FILE, AnswerStore
 from . import prompt_sets
 from .code_corpus import corpus_split
 from .pairs import smollm2_target_dir
@@ -298,6 +299,52 @@ def corpus_token_stream(folder: str | Path) -> tuple[np.ndarray, np.ndarray, dic
         requests += len(lengths)
     ids, mask = np.concatenate(tokens), np.concatenate(masks)
     return ids, mask, {"chat_requests": requests, "chat_tokens": int(ids.size), "chat_answer_tokens": int(mask.sum())}
+
+
+def corpus_answer_store(folder: str | Path) -> AnswerStore:
+    """The answers of every shard of `folder` (prompts left out) as an `AnswerStore`, for the lookup branch; its
+    metadata names the shards it holds (`store_is_current` compares them)."""
+    paths = shard_paths(folder)
+    if not paths:
+        raise CorpusFormatError(f"No corpus shards in {folder}: grow a corpus first (`treeflash-hf reference corpus "
+                                "grow`), or point --folder at one.")
+    answers, vocab_sizes = [], set()
+    for path in paths:
+        shard = load_shard(path)
+        vocab_sizes.add(int(shard["metadata"]["vocab_size"]))
+        offsets, prompt_lengths = shard["offsets"], shard["prompt_lengths"]
+        answers += [shard["tokens"][offsets[i] + prompt_lengths[i]: offsets[i + 1]] for i in range(len(prompt_lengths))]
+    if len(vocab_sizes) != 1:
+        raise CorpusFormatError(f"The shards of {folder} come from tokenizers of different vocabularies "
+                                f"({sorted(vocab_sizes)}): one store holds one target's answers.")
+    metadata = {"corpus_shards": [path.name for path in paths], "answers": len(answers)}
+    return AnswerStore.from_answers(answers, vocab_sizes.pop(), metadata)
+
+
+def ensure_answer_store(drafter_folder: Path, folder: str | Path) -> Path | None:
+    """Write the corpus `folder`'s answers into `drafter_folder` as its answer store, unless the store there holds
+    exactly these shards already. Returns the store's path, or None when `folder` has no shards (nothing written)."""
+    path = Path(drafter_folder) / STORE_FILE
+    if not shard_paths(folder):
+        return None
+    if not store_is_current(path, folder):
+        corpus_answer_store(folder).save(path)
+    return path
+
+
+def repository_corpus() -> Path:
+    """The committed corpus of this checkout (`corpus/smollm2` beside the package; absent from an installed wheel)."""
+    return Path(__file__).resolve().parents[2] / DEFAULT_FOLDER
+
+
+def store_is_current(store_path: Path, folder: str | Path) -> bool:
+    """Whether the store file at `store_path` holds exactly the shards now in `folder` (read without indexing)."""
+    try:
+        with np.load(store_path, allow_pickle=False) as data:
+            held = json.loads(str(data["metadata"])).get("corpus_shards")
+    except (OSError, KeyError, ValueError):
+        return False
+    return held == [path.name for path in shard_paths(folder)]
 
 
 # ---------------------------------------------------------------------------------------------------------- requests
@@ -686,6 +733,15 @@ def grow(model, tokenizer, out: str | Path, *, minutes: float, batch: int = 64, 
 
 
 def run(args: argparse.Namespace) -> int:
+    if args.corpus_command == "answer-store":
+        out = Path(args.out)
+        if not out.is_dir():
+            raise SystemExit(f"error: --out {out} is not a folder: name the drafter folder the store goes with.")
+        store = corpus_answer_store(args.folder)
+        store.save(out / STORE_FILE)
+        print(f"{out / STORE_FILE}: {store.metadata['answers']} answers, {len(store)} tokens "
+              f"({len(store.metadata['corpus_shards'])} shards of {args.folder})")
+        return 0
     if args.corpus_command == "stats":
         print(json.dumps(corpus_stats(args.folder), indent=2))
         return 0
@@ -716,7 +772,7 @@ def run(args: argparse.Namespace) -> int:
 
 
 def add_parser(sub) -> None:
-    """`reference corpus grow|stats` (`sub`: the `reference` command's subparsers)."""
+    """`reference corpus grow|import|answer-store|stats` (`sub`: the `reference` command's subparsers)."""
     parser = sub.add_parser("corpus", help="the committed corpus of distilled answers: grow it, or print its sizes")
     commands = parser.add_subparsers(dest="corpus_command", required=True)
     g = commands.add_parser("grow", help="answer new requests for --minutes and add them to the corpus as shards")
@@ -738,6 +794,11 @@ def add_parser(sub) -> None:
     i.add_argument("shards", nargs="+", help="shard files (.npz)")
     i.add_argument("--out", default=DEFAULT_FOLDER)
     i.set_defaults(func=run)
+    a = commands.add_parser("answer-store", help="write the corpus's answers as a drafter's answer store (the "
+                            "lookup branch's second source, engine/answer_store.py) into --out")
+    a.add_argument("--folder", default=DEFAULT_FOLDER, help="the corpus")
+    a.add_argument("--out", required=True, help="the drafter folder")
+    a.set_defaults(func=run)
     s = commands.add_parser("stats", help="print the corpus's sizes")
     s.add_argument("folder", nargs="?", default=DEFAULT_FOLDER)
     s.set_defaults(func=run)

@@ -8,6 +8,7 @@ target forward after the prefill, `(new_tokens - 1) / (target_forwards - 1)`.
 from __future__ import annotations
 
 import argparse
+import copy
 import gzip
 import math
 import hashlib
@@ -23,6 +24,7 @@ import torch
 from transformers.generation import GenerationMixin
 
 from ..arguments import add_pair_argument, add_target_quant_argument, positive_int
+from ..engine.answer_store import answer_store_of, attach_answer_store
 from ..integrations.cpu_linear import is_packed, kernels_note, stock_kernels
 from ..optional import pyplot
 from ..recipes.prompt_sets import PromptFileError, load_prompts
@@ -36,6 +38,7 @@ BASELINES = ("autoregressive", "stock_kernels", "compiled", "hf_assisted", "prom
 COMPILED_CACHE_LEN = 1024
 # "<mode>+lookup": the same mode with the lookup branch (`tree_lookup=LOOKUP_LENGTH`, see lookup.py).
 LOOKUP_SUFFIX, LOOKUP_LENGTH = "+lookup", 32
+NO_STORE = "no answer store"  # the drafter key of `--without-answer-store`
 LOOKUP_MODES = ("treeflash+lookup", "auto+lookup")
 BASELINE_STYLES = {"autoregressive": ("black", ":"), "stock_kernels": ("tab:gray", ":"),
                    "hf_assisted": ("tab:purple", "--"), "prompt_lookup": ("tab:brown", "--"),
@@ -376,6 +379,10 @@ def print_table(report: dict) -> None:
           f"{report.get('target_quant', 'none')}; identical: every row equals the "
           "target's own batch-1 greedy output; a near-tie is a first difference where the target's top-2 logits are "
           "within its dtype's rounding)")
+    if store := report.get("answer_store"):
+        compared = any(row.get("drafter") == NO_STORE for row in report["results"].values())
+        print(f"+lookup modes: the branch also comes from the drafter's answer store ({store.get('answers', '?')} "
+              f"answers, {store['tokens']} tokens)" + (f"; [{NO_STORE}]: the same without it" if compared else ""))
     if noise := report.get("plain_under_another_forward_shape"):
         gaps = ", ".join(f"{g:.3g}" for g in noise["tie_gaps"] + [g for g, _ in noise["divergent_gaps"]]) or "-"
         print(f"plain decoding under another forward shape (prompt + first 16 tokens as one prefill): "
@@ -482,6 +489,10 @@ def run(args: argparse.Namespace) -> int:
     if args.recalibrated:  # the same drafter-based methods again with the recalibrated drafter, side by side
         drafters["recalibrated"] = AutoModel.from_pretrained(args.recalibrated, dtype=target.dtype).eval()
         methods = with_drafter(methods, "recalibrated")
+    if args.without_answer_store:  # the lookup modes again, their branch from each row's own text alone
+        drafters[NO_STORE] = copy.copy(drafter)  # (the same weights; its own learned state and attachments)
+        attach_answer_store(drafters[NO_STORE], None)
+        methods = methods + [Method(m.name, m.budget, NO_STORE) for m in methods if m.name in LOOKUP_MODES]
     draft_lm = None
     if any(m.name == "hf_assisted" for m in methods) and args.batch_size == 1:
         if args.draft_lm:
@@ -494,6 +505,8 @@ def run(args: argparse.Namespace) -> int:
     report = run_bench(target, drafter, draft_lm, tokenizer, prompts, methods, args.max_new_tokens,
                        args.temperature, args.repeats, batch_size=args.batch_size, drafters=drafters)
     report["prompts"] = args.prompts
+    store = answer_store_of(drafter) if isinstance(drafter, torch.nn.Module) else None
+    report["answer_store"] = None if store is None else {"tokens": len(store), **store.metadata}
     report["target_quant"], report["target_quant_backend"] = args.target_quant, describe(args.target_quant)
     print_table(report)
     write_report(report, args.json, args.plot, plot)
@@ -540,6 +553,9 @@ def add_parser(subparsers) -> None:
                              "kernels); float32 with --target-quant, where bfloat16 computes the torchao specs in "
                              "bfloat16)")
     add_target_quant_argument(parser)
+    parser.add_argument("--without-answer-store", action="store_true",
+                        help="run the +lookup modes a second time with the drafter's answer store detached (their "
+                             "branch from each row's own text alone), side by side")
     parser.add_argument("--recalibrated", metavar="DIR",
                         help="a drafter recalibrated for --target-quant (`reference train-drafter --target-quant`): "
                              "its tree methods run next to the original drafter's")

@@ -60,6 +60,7 @@ def timed(generate, repeats: int):
 def run(args: argparse.Namespace) -> int:
     import treeflash_hf  # noqa: F401
 
+    from ..engine.answer_store import answer_store_of
     from ..integrations.cpu_linear import is_packed, kernels_note, stock_kernels
     from .bench import first_divergence_gap
 
@@ -126,9 +127,12 @@ def run(args: argparse.Namespace) -> int:
             verdict = f"near-tie (top-2 gap {gap:.3g} <= {tolerance:.3g})" if tie else f"NO (top-2 gap {gap:.3g})"
             all_same &= tie
         print(f"{name:26s} {out.tau:5.2f} {kinds:>26s} {rate:9.1f} {rate / plain_rate:7.2f}x  {verdict}")
+    store = answer_store_of(drafter)
+    source = "" if store is None else (f", or in the drafter's answer store (the target's earlier answers: "
+                                       f"{len(store):,} tokens)")
     print("(the drafter alone: steps verify the drafter's tree; the defaults add the lookup branch, which copies what "
-          "followed an earlier occurrence of the text's ending, and may verify it alone or skip the drafter when "
-          "that is faster)")
+          f"followed an earlier occurrence of the text's ending in this text{source}, and may verify it alone or "
+          "skip the drafter when that is faster)")
     if stock is not None:
         print("(plain, stock kernels: plain generate() on torch's own linear products, what `from_pretrained` alone "
               "runs; TreeFlash over it: " + ", ".join(
