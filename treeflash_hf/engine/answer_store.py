@@ -30,6 +30,7 @@ UINT16_SEPARATOR = 2**16 - 1  # the separator in a file of two-byte tokens
 MAX_ORDER = 8  # longest match tried (tokens)
 MAX_VOTERS = 256  # occurrences sampled (evenly over the match range) to choose a continuation
 MIN_SHARE = 0.3  # a continuation token fewer than this share of the voters agree on ends the branch
+BUILD_COMMAND = "treeflash-hf reference corpus answer-store --folder <corpus> --out <drafter folder>"
 
 
 class AnswerStoreError(ValueError):
@@ -93,7 +94,8 @@ class AnswerStore:
         positions = self.order[start:end].astype(np.int64)
         for offset, token in enumerate(pattern[self.key_tokens :], start=self.key_tokens):
             at = positions + offset
-            positions = positions[(at < self.tokens.size) & (self.tokens[np.minimum(at, self.tokens.size - 1)] == token)]
+            inside = at < self.tokens.size
+            positions = positions[inside & (self.tokens[np.minimum(at, self.tokens.size - 1)] == token)]
         return positions
 
     def continuation(self, sequence: list[int], length: int) -> StoreMatch:
@@ -114,6 +116,14 @@ class AnswerStore:
         while len(tokens) < length:
             positions = positions[positions < self.tokens.size]
             if not positions.size:
+                break
+            if positions.size == 1:  # one occurrence left: the rest of its answer, as far as asked
+                start = int(positions[0])
+                rest = self.tokens[start : start + length - len(tokens)]
+                ends = np.flatnonzero(rest == SEPARATOR)
+                rest = rest[: ends[0]] if ends.size else rest
+                tokens += rest.tolist()
+                shares += [1.0] * rest.size
                 break
             following = self.tokens[positions]
             values, counts = np.unique(following, return_counts=True)
@@ -156,7 +166,7 @@ class AnswerStore:
                 metadata = json.loads(str(data["metadata"]))
         except (OSError, KeyError, ValueError) as err:
             raise AnswerStoreError(f"Cannot read the answer store {path} ({type(err).__name__}: {err}): rebuild it "
-                                   "with `treeflash-hf answer-store --corpus <folder> --out <drafter folder>`.") from None
+                                   f"with `{BUILD_COMMAND}`.") from None
         tokens = stored.astype(np.int32)
         if stored.dtype == np.uint16:  # (the separator stored as the largest value)
             tokens[stored == UINT16_SEPARATOR] = SEPARATOR
@@ -178,8 +188,7 @@ def attach_answer_store(drafter, store: "AnswerStore | str | Path | None") -> No
 def load_store_file(path: Path) -> AnswerStore:
     """The store at `path`, read once per process (again when the file changed)."""
     if not path.is_file():
-        raise AnswerStoreError(f"No answer store at {path}: build one with `treeflash-hf answer-store --corpus "
-                               "<folder> --out <drafter folder>`.")
+        raise AnswerStoreError(f"No answer store at {path}: build one with `{BUILD_COMMAND}`.")
     stamp = path.stat().st_mtime
     kept = _LOADED.get(str(path))
     if kept is None or kept[0] != stamp:

@@ -16,7 +16,7 @@ from dataclasses import dataclass
 
 import torch
 
-from .answer_store import answer_store_of
+from .answer_store import BUILD_COMMAND, answer_store_of
 from .cache import drafter_cache, repack, select_rows, valid_or_all
 from .lookup import with_lookup_branch
 from .onednn import pack_weight, packable_dtypes, packed_product
@@ -418,8 +418,8 @@ class TreeDrafter:
         if self.answer_store is not None and self.answer_store.vocab_size != vocab_size:
             raise TreeFlashInputError(
                 f"The drafter's answer store was built for a vocabulary of {self.answer_store.vocab_size} tokens, "
-                f"this target has {vocab_size}: rebuild it from this target's answers (`treeflash-hf answer-store`) "
-                "or detach it (`attach_answer_store(drafter, None)`).")
+                f"this target has {vocab_size}: rebuild it from this target's answers (`{BUILD_COMMAND}`) or "
+                "detach it (`attach_answer_store(drafter, None)`).")
         # transformers' assisted loop merges this into the target's forward kwargs.
         self.model_kwargs_overrides = {"output_hidden_states": [i + 1 for i in self.target_layer_ids]}
 
