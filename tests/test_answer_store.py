@@ -154,7 +154,7 @@ def test_a_store_for_another_vocabulary_is_refused(looping_pair):
     target, drafter = looping_pair
     attach_answer_store(drafter, AnswerStore.from_answers([[1, 2, 3]], vocab_size=32))
     try:
-        with pytest.raises(TreeFlashInputError, match="vocabulary of 32 tokens, this target has 16"):
+        with pytest.raises(TreeFlashInputError, match="vocabulary of 32 tokens, more than this target.s 16"):
             treeflash_generate(target, drafter, torch.tensor([[1, 2]]), max_new_tokens=4, tree_lookup=4)
         # without the lookup branch the store is not read
         treeflash_generate(target, drafter, torch.tensor([[1, 2]]), max_new_tokens=4, tree_lookup=0)

@@ -28,8 +28,8 @@ from transformers.generation.stopping_criteria import (
 )
 from transformers.generation.utils import GenerateDecoderOnlyOutput
 
-from .answer_store import AnswerStore
 from .accept import Acceptance, RowProcessor, greedy_accept, sampled_accept, walk_tree
+from .answer_store import AnswerStore
 from .cache import append_rows, check_cache_supported, compact_cache, growing_cache, repack, select_rows, valid_or_all
 from .draft import DraftContext, TreeDrafter
 from .learned import learned_state

@@ -415,11 +415,11 @@ class TreeDrafter:
         # a store and the branch is on.
         self.answer_store = answer_store_of(drafter) if options.tree_lookup else None
         vocab_size = target.config.get_text_config().vocab_size
-        if self.answer_store is not None and self.answer_store.vocab_size != vocab_size:
+        if self.answer_store is not None and self.answer_store.vocab_size > vocab_size:  # (a padded vocabulary: more)
             raise TreeFlashInputError(
                 f"The drafter's answer store was built for a vocabulary of {self.answer_store.vocab_size} tokens, "
-                f"this target has {vocab_size}: rebuild it from this target's answers (`{BUILD_COMMAND}`) or "
-                "detach it (`attach_answer_store(drafter, None)`).")
+                f"more than this target's {vocab_size}: rebuild it from this target's answers (`{BUILD_COMMAND}`) "
+                "or detach it (`attach_answer_store(drafter, None)`).")
         # transformers' assisted loop merges this into the target's forward kwargs.
         self.model_kwargs_overrides = {"output_hidden_states": [i + 1 for i in self.target_layer_ids]}
 
