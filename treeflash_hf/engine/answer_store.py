@@ -80,9 +80,10 @@ class AnswerStore:
             keys = (keys << np.uint64(self.bits)) | values.astype(np.uint64)
         return keys
 
-    def occurrences(self, pattern: list[int]) -> np.ndarray:
-        """Positions where `pattern` (real tokens, at most `MAX_ORDER`) starts, in index order."""
-        head = pattern[: self.key_tokens]
+    def occurrences(self, pattern: list[int], at_most: int | None = None) -> np.ndarray:
+        """Positions where `pattern` (real tokens, at most `MAX_ORDER`) starts, in index order; `at_most`: no more
+        than that many, evenly spaced over them (sampled before they are copied where no tail filter runs)."""
+        head, tail = pattern[: self.key_tokens], pattern[self.key_tokens :]
         low = 0
         for token in head:
             low = (low << self.bits) | (token + 1)
@@ -91,11 +92,15 @@ class AnswerStore:
         high = low + (1 << shift)  # every key that starts with `head`
         start = int(np.searchsorted(self.sorted_keys, np.uint64(low), side="left"))
         end = int(np.searchsorted(self.sorted_keys, np.uint64(high - 1), side="right"))
+        if not tail and at_most is not None and end - start > at_most:
+            return self.order[start + evenly_spaced(end - start, at_most)].astype(np.int64)
         positions = self.order[start:end].astype(np.int64)
-        for offset, token in enumerate(pattern[self.key_tokens :], start=self.key_tokens):
+        for offset, token in enumerate(tail, start=self.key_tokens):
             at = positions + offset
             inside = at < self.tokens.size
             positions = positions[inside & (self.tokens[np.minimum(at, self.tokens.size - 1)] == token)]
+        if at_most is not None and positions.size > at_most:
+            positions = positions[evenly_spaced(positions.size, at_most)]
         return positions
 
     def continuation(self, sequence: list[int], length: int) -> StoreMatch:
@@ -104,13 +109,11 @@ class AnswerStore:
         sampled), then only the occurrences that agreed vote on the next. Ends at `length` tokens, at the end of an
         answer, or where fewer than `MIN_SHARE` of the voters agree."""
         for order in range(min(MAX_ORDER, len(sequence)), 0, -1):
-            starts = self.occurrences(sequence[-order:])
+            starts = self.occurrences(sequence[-order:], at_most=MAX_VOTERS)
             if starts.size:
                 break
         else:
             return StoreMatch([], [], 0)
-        if starts.size > MAX_VOTERS:
-            starts = starts[np.linspace(0, starts.size - 1, MAX_VOTERS).astype(np.int64)]
         positions = starts + order
         tokens, shares = [], []
         while len(tokens) < length:
@@ -171,6 +174,17 @@ class AnswerStore:
         if stored.dtype == np.uint16:  # (the separator stored as the largest value)
             tokens[stored == UINT16_SEPARATOR] = SEPARATOR
         return cls(tokens, vocab_size, metadata)
+
+
+def evenly_spaced(count: int, size: int) -> np.ndarray:
+    """`size` indices evenly spaced over 0..count-1."""
+    return np.linspace(0, count - 1, size).astype(np.int64)
+
+
+def npz_metadata(path: str | Path) -> dict:
+    """The JSON `metadata` member of an `.npz` file (corpus shards, answer stores), read without the arrays."""
+    with np.load(path, allow_pickle=False) as data:
+        return json.loads(str(data["metadata"]))
 
 
 _LOADED: dict[str, tuple[float, AnswerStore]] = {}  # path -> (its modification time, the store)

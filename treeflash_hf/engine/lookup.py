@@ -55,9 +55,9 @@ def depth_bucket(depth: int) -> int:
 @dataclass
 class LookupRates:
     """Per (branch source, depth bucket), the running probability that a proposed token is accepted when its
-    parent was (a source: `LookupSource`, where the branch came from and the length of its match): a Beta prior of `prior_count` pseudo-trials at `priors[bucket]`, then exponentially weighted
-    counts. Deep buckets start optimistic (repeated text tends to keep repeating) and learn from every token
-    proposed there."""
+    parent was (a source: `LookupSource`, where the branch came from and the length of its match): a Beta prior of
+    `prior_count` pseudo-trials at `priors[bucket]`, then exponentially weighted counts. Deep buckets start
+    optimistic (repeated text tends to keep repeating) and learn from every token proposed there."""
 
     priors: tuple[float, ...] = (0.5, 0.6, 0.7, 0.8, 0.85, 0.9)
     prior_count: float = 2.0

@@ -51,7 +51,7 @@ import numpy as np
 import torch
 
 from ..arguments import add_device_argument, positive_int
-from ..engine.answer_store import STORE_FILE, AnswerStore
+from ..engine.answer_store import STORE_FILE, AnswerStore, npz_metadata
 from . import prompt_sets
 from .code_corpus import corpus_split
 from .pairs import smollm2_target_dir
@@ -308,15 +308,13 @@ def corpus_answer_store(folder: str | Path) -> AnswerStore:
     if not paths:
         raise CorpusFormatError(f"No corpus shards in {folder}: grow a corpus first (`treeflash-hf reference corpus "
                                 "grow`), or point --folder at one.")
-    answers, vocab_sizes = [], set()
+    vocab_sizes = set()
     for path in paths:
-        shard = load_shard(path)
-        vocab_sizes.add(int(shard["metadata"]["vocab_size"]))
-        offsets, prompt_lengths = shard["offsets"], shard["prompt_lengths"]
-        answers += [shard["tokens"][offsets[i] + prompt_lengths[i]: offsets[i + 1]] for i in range(len(prompt_lengths))]
+        vocab_sizes.add(int(npz_metadata(path)["vocab_size"]))
     if len(vocab_sizes) != 1:
         raise CorpusFormatError(f"The shards of {folder} come from tokenizers of different vocabularies "
                                 f"({sorted(vocab_sizes)}): one store holds one target's answers.")
+    answers = [row.tokens[row.prompt_len:] for row in read_corpus(folder)]
     metadata = {"corpus_shards": [path.name for path in paths], "answers": len(answers)}
     return AnswerStore.from_answers(answers, vocab_sizes.pop(), metadata)
 
@@ -340,8 +338,7 @@ def repository_corpus() -> Path:
 def store_is_current(store_path: Path, folder: str | Path) -> bool:
     """Whether the store file at `store_path` holds exactly the shards now in `folder` (read without indexing)."""
     try:
-        with np.load(store_path, allow_pickle=False) as data:
-            held = json.loads(str(data["metadata"])).get("corpus_shards")
+        held = npz_metadata(store_path).get("corpus_shards")
     except (OSError, KeyError, ValueError):
         return False
     return held == [path.name for path in shard_paths(folder)]
