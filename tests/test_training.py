@@ -404,3 +404,18 @@ def test_a_grown_drafter_drafts_as_before_and_trains_its_new_layers(tiny, capsys
 
     assert main(["reference", "train-drafter", "--grow-layers", "1", "--stages", "backbone"]) == 1
     assert "give it with --init" in capsys.readouterr().err  # said before any model loads
+
+
+def test_the_recipe_continues_a_trained_drafter_at_a_lower_peak_lr():
+    """`reference train-drafter` leaves `--lr` unset at parse time: a continuation (`--init`) runs at `CONTINUED_LR`,
+    a new drafter or a recalibration at `NEW_DRAFTER_LR`, and a given `--lr` always wins."""
+    from treeflash_hf.cli import build_parser
+    from treeflash_hf.recipes.drafter_recipe import CONTINUED_LR, NEW_DRAFTER_LR, peak_lr
+
+    parse = build_parser().parse_args
+    assert parse(["reference", "train-drafter"]).lr is None
+    assert parse(["reference", "train-drafter", "--lr", "2e-4"]).lr == 2e-4
+    assert CONTINUED_LR < NEW_DRAFTER_LR
+    assert peak_lr(None, continuing=True) == CONTINUED_LR
+    assert peak_lr(None, continuing=False) == NEW_DRAFTER_LR
+    assert peak_lr(5e-5, continuing=False) == 5e-5

@@ -102,9 +102,13 @@ def add_drafter_arguments(parser: argparse.ArgumentParser, drafter_layers: int, 
                              "(default 0)")
 
 
-def add_optimizer_arguments(parser: argparse.ArgumentParser, lr: float, batch_size: int, seq_len: int) -> None:
-    """`--lr`, `--batch-size`, `--seq-len`: the optimisation a training command runs."""
-    parser.add_argument("--lr", type=float, default=lr, help=f"peak learning rate (default {lr:g})")
+def add_optimizer_arguments(parser: argparse.ArgumentParser, lr: float, batch_size: int, seq_len: int,
+                            continued_lr: float | None = None) -> None:
+    """`--lr`, `--batch-size`, `--seq-len`: the optimisation a training command runs. `continued_lr`: the default
+    when the command continues a trained model (`--lr` is then None until the command resolves it)."""
+    lr_help = f"peak learning rate (default {lr:g}"
+    lr_help += f"; {continued_lr:g} when continuing a trained drafter, --init)" if continued_lr else ")"
+    parser.add_argument("--lr", type=float, default=None if continued_lr else lr, help=lr_help)
     parser.add_argument("--batch-size", type=positive_int, default=batch_size,
                         help=f"sequences per step over all processes together (default {batch_size})")
     parser.add_argument("--seq-len", type=positive_int, default=seq_len,

@@ -52,6 +52,9 @@ from .corpus import load_shard, shard_paths
 
 STAGES = ("distill", "vocab", "windows", "features", "backbone", "ar", "export")
 RECALIBRATION_STAGES = ("windows", "features", "ar", "export")  # the default; distill and backbone may be asked for
+NEW_DRAFTER_LR = 6e-4  # peak lr of a drafter trained from scratch (and of a recalibration)
+CONTINUED_LR = 1e-4  # of a continuation (`--init`): at 3e-4 held-out KL first rose and v15 gained nothing; at 1e-4
+# v17 gained on the same data (docs/training.md, v17)
 MASK_TOKEN = "<empty_output>"  # id 16: a special token never used in chat; the target's embeddings are frozen
 
 
@@ -285,6 +288,14 @@ def add_online_features_argument(parser: argparse.ArgumentParser) -> None:
                              "features stage: for a GPU, where that forward is cheaper than the store's disk)")
 
 
+def peak_lr(lr: float | None, continuing: bool) -> float:
+    """The stages' peak learning rate: `lr` when given, else `CONTINUED_LR` for a continuation of a trained drafter
+    and `NEW_DRAFTER_LR` otherwise."""
+    if lr is not None:
+        return lr
+    return CONTINUED_LR if continuing else NEW_DRAFTER_LR
+
+
 def train_stage(stage: str, target, drafter, store, run_dir: Path, args, minutes: float | None = None,
                 fixed_steps: int | None = None, full_finetune: bool = False) -> dict:
     """One drafter stage on the cached features `store`, resumable from `run_dir`: `fixed_steps` steps, or as many as
@@ -345,6 +356,7 @@ def run(args: argparse.Namespace) -> int:
 
     torch.set_num_threads(args.threads)
     recalibrating = args.target_quant != "none"
+    args.lr = peak_lr(args.lr, continuing=bool(args.init) and not recalibrating)
     if recalibrating and args.device != "cpu":
         raise SystemExit(f"error: --target-quant {args.target_quant} recalibrates on the CPU (its quantized targets "
                          "have only been run there): leave --device out.")
@@ -630,7 +642,7 @@ def add_parser(subparsers) -> None:
     add_online_features_argument(parser)
     add_drafter_arguments(parser, drafter_layers=1, num_anchors=48)
     add_shape_arguments(parser)
-    add_optimizer_arguments(parser, lr=6e-4, batch_size=4, seq_len=512)
+    add_optimizer_arguments(parser, lr=NEW_DRAFTER_LR, batch_size=4, seq_len=512, continued_lr=CONTINUED_LR)
     parser.add_argument("--backbone-minutes", type=float, default=35)
     parser.add_argument("--ar-minutes", type=float, default=20)
     parser.add_argument("--backbone-run", default="run-backbone", help="the backbone stage's folder in --work")
