@@ -324,3 +324,19 @@ def test_import_refuses_another_vocabulary(tmp_path):
         corpus.import_shards([same, other], corpus_dir)
     assert len(corpus.shard_paths(corpus_dir)) == 1
     assert corpus.import_shards([same], corpus_dir)["kept"] == 1
+
+
+def test_grow_answers_in_bfloat16_only_where_the_cpu_has_its_arithmetic(monkeypatch):
+    """`corpus grow --dtype auto` (the default) keeps bfloat16 weights on a GPU and on a CPU with bfloat16 arithmetic,
+    float32 on one that emulates it (AVX2), as `dtype="auto"` runs the pair; an explicit choice passes through."""
+    from treeflash_hf.cli import build_parser
+    from treeflash_hf.integrations import cpu_linear
+    from treeflash_hf.recipes.corpus import answer_dtype
+
+    assert build_parser().parse_args(["reference", "corpus", "grow", "--minutes", "1"]).dtype == "auto"
+    for native, expected in ((True, "bfloat16"), (False, "float32")):
+        monkeypatch.setattr(cpu_linear, "cpu_has_native", lambda dtype: native)
+        assert answer_dtype("auto") == expected
+        assert answer_dtype("auto", device="cuda") == "bfloat16"
+        for explicit in ("bfloat16", "float32", "autocast"):
+            assert answer_dtype(explicit) == explicit

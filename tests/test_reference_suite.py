@@ -118,18 +118,20 @@ def test_auto_dtype_runs_half_precision_in_float32_where_the_cpu_has_no_arithmet
 def test_cpu_has_native_reads_the_cpu_features(monkeypatch):
     import platform
 
+    from treeflash_hf.integrations import cpu_linear
+
     monkeypatch.setattr(platform, "machine", lambda: "x86_64")
     for name in ("_is_avx512_bf16_supported", "_is_amx_tile_supported", "_is_amx_fp16_supported"):
         monkeypatch.setattr(torch.cpu, name, lambda: False, raising=False)
-    assert reference.cpu_has_native(torch.float32)
-    assert not reference.cpu_has_native(torch.bfloat16) and not reference.cpu_has_native(torch.float16)
+    assert cpu_linear.cpu_has_native(torch.float32)
+    assert not cpu_linear.cpu_has_native(torch.bfloat16) and not cpu_linear.cpu_has_native(torch.float16)
     monkeypatch.setattr(torch.cpu, "_is_amx_tile_supported", lambda: True, raising=False)
-    assert reference.cpu_has_native(torch.bfloat16) and not reference.cpu_has_native(torch.float16)
+    assert cpu_linear.cpu_has_native(torch.bfloat16) and not cpu_linear.cpu_has_native(torch.float16)
     monkeypatch.setattr(platform, "machine", lambda: "aarch64")
-    monkeypatch.setattr(reference, "_arm_cpu_features", lambda: {"fp", "asimd", "bf16"})
-    assert reference.cpu_has_native(torch.bfloat16) and not reference.cpu_has_native(torch.float16)
-    monkeypatch.setattr(reference, "_arm_cpu_features", lambda: {"fp", "asimd", "asimdhp"})
-    assert not reference.cpu_has_native(torch.bfloat16) and reference.cpu_has_native(torch.float16)
+    monkeypatch.setattr(cpu_linear, "_arm_cpu_features", lambda: {"fp", "asimd", "bf16"})
+    assert cpu_linear.cpu_has_native(torch.bfloat16) and not cpu_linear.cpu_has_native(torch.float16)
+    monkeypatch.setattr(cpu_linear, "_arm_cpu_features", lambda: {"fp", "asimd", "asimdhp"})
+    assert not cpu_linear.cpu_has_native(torch.bfloat16) and cpu_linear.cpu_has_native(torch.float16)
 
 
 def test_run_dtype_divergences_are_near_ties():

@@ -419,3 +419,22 @@ def test_the_recipe_continues_a_trained_drafter_at_a_lower_peak_lr():
     assert peak_lr(None, continuing=True) == CONTINUED_LR
     assert peak_lr(None, continuing=False) == NEW_DRAFTER_LR
     assert peak_lr(5e-5, continuing=False) == 5e-5
+
+
+def test_the_recipe_computes_in_bfloat16_only_where_the_cpu_has_its_arithmetic(monkeypatch):
+    """`--compute-dtype auto` (the default) runs the recipe's stages under bfloat16 autocast on a CPU only when it
+    multiplies bfloat16 in hardware (`dtype="auto"`'s rule; AVX2 CPUs emulate it several times slower than float32);
+    an explicit choice always wins, and the study parses the same flag."""
+    from treeflash_hf.cli import build_parser
+    from treeflash_hf.integrations import cpu_linear
+    from treeflash_hf.recipes.drafter_recipe import uses_bfloat16
+
+    target = torch.nn.Linear(4, 4)
+    parse = build_parser().parse_args
+    assert parse(["reference", "train-drafter"]).compute_dtype == "auto"
+    assert parse(["reference", "drafter-study", "--compute-dtype", "float32"]).compute_dtype == "float32"
+    for native in (True, False):
+        monkeypatch.setattr(cpu_linear, "cpu_has_native", lambda dtype: native)
+        assert uses_bfloat16(parse(["reference", "train-drafter"]), target) is native
+        assert uses_bfloat16(parse(["reference", "train-drafter", "--compute-dtype", "bfloat16"]), target)
+        assert not uses_bfloat16(parse(["reference", "train-drafter", "--compute-dtype", "float32"]), target)

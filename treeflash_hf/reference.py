@@ -8,38 +8,15 @@ tests), or a folder `treeflash-hf reference build` wrote.
 from __future__ import annotations
 
 import logging
-import platform
 from pathlib import Path
 
 import torch
 
+from .integrations.cpu_linear import cpu_has_native
 from .recipes.corpus import ensure_answer_store, repository_corpus
 from .recipes.pairs import BUNDLED_DIR, DEFAULT_PAIR, PAIRS, pair_dirs
 
 logger = logging.getLogger(__name__)
-HALF_PRECISIONS = (torch.bfloat16, torch.float16)
-
-
-def _arm_cpu_features() -> set[str]:
-    try:
-        text = Path("/proc/cpuinfo").read_text()
-    except OSError:
-        return set()
-    return {flag for line in text.splitlines() if line.lower().startswith("features") for flag in line.split()[2:]}
-
-
-def cpu_has_native(dtype: torch.dtype) -> bool:
-    """Whether this CPU multiplies `dtype` matrices in hardware: bfloat16 with AVX512-BF16 or AMX (x86) or BF16 (Arm),
-    float16 with AMX-FP16 (x86) or FP16 arithmetic (Arm). Without it torch emulates them: on a 2-core AVX2 EPYC a
-    bfloat16 forward of SmolLM2-135M over 16 tokens took 2.6x the float32 one (docs/results.md, "run dtype")."""
-    if dtype not in HALF_PRECISIONS:
-        return True
-    if platform.machine().lower() in ("x86_64", "amd64", "i386", "i686"):
-        check = {torch.bfloat16: ("_is_avx512_bf16_supported", "_is_amx_tile_supported"),
-                 torch.float16: ("_is_amx_fp16_supported",)}[dtype]
-        return any(getattr(torch.cpu, name, lambda: False)() for name in check)
-    features = _arm_cpu_features()
-    return ("bf16" if dtype == torch.bfloat16 else "asimdhp") in features
 
 
 def run_in_fast_dtype(*models):

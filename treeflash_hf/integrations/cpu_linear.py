@@ -23,7 +23,9 @@ from __future__ import annotations
 import contextlib
 import functools
 import logging
+import platform
 import time
+from pathlib import Path
 
 import torch
 import torch.nn.functional as F
@@ -37,6 +39,29 @@ ROWS_HINT = 17  # a verify step's rows at tree budget 16: the row count oneDNN l
 PROBE_ROWS = (1, 2, 4)  # the few-row products timed for where the stock kernel stops being the faster
 VERIFY_MARGIN = 0.9  # packed only when clearly faster (timing noise) where speculation spends its time
 MEMORY_SHARE = 0.5  # the packed copies may take at most this share of the memory available when planned
+HALF_PRECISIONS = (torch.bfloat16, torch.float16)
+
+
+def _arm_cpu_features() -> set[str]:
+    try:
+        text = Path("/proc/cpuinfo").read_text()
+    except OSError:
+        return set()
+    return {flag for line in text.splitlines() if line.lower().startswith("features") for flag in line.split()[2:]}
+
+
+def cpu_has_native(dtype: torch.dtype) -> bool:
+    """Whether this CPU multiplies `dtype` matrices in hardware: bfloat16 with AVX512-BF16 or AMX (x86) or BF16 (Arm),
+    float16 with AMX-FP16 (x86) or FP16 arithmetic (Arm). Without it torch emulates them: on a 2-core AVX2 EPYC a
+    bfloat16 forward of SmolLM2-135M over 16 tokens took 2.6x the float32 one (docs/results.md, "run dtype")."""
+    if dtype not in HALF_PRECISIONS:
+        return True
+    if platform.machine().lower() in ("x86_64", "amd64", "i386", "i686"):
+        check = {torch.bfloat16: ("_is_avx512_bf16_supported", "_is_amx_tile_supported"),
+                 torch.float16: ("_is_amx_fp16_supported",)}[dtype]
+        return any(getattr(torch.cpu, name, lambda: False)() for name in check)
+    features = _arm_cpu_features()
+    return ("bf16" if dtype == torch.bfloat16 else "asimdhp") in features
 
 
 class PackedLinear(nn.Linear):
@@ -72,6 +97,7 @@ class PackedLinear(nn.Linear):
             state = (key, pack_weight(weight, self.packed_rows_hint), weight)  # (the weight kept: its id stays unique)
             self._packed = state
         return packed_product(input, state[1], self.bias)
+
 
 
 def can_pack(module: nn.Module) -> bool:

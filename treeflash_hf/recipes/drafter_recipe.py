@@ -59,8 +59,8 @@ MASK_TOKEN = "<empty_output>"  # id 16: a special token never used in chat; the 
 
 
 def load_target(args: argparse.Namespace):
-    """The SmolLM2 target on `--device` (float32 weights: the stages run it under bfloat16 autocast; quantized by
-    `--target-quant`, float32 compute) and its tokenizer."""
+    """The SmolLM2 target on `--device` (float32 weights: the stages run it under bfloat16 autocast where that is
+    faster, `uses_bfloat16`; quantized by `--target-quant`, float32 compute) and its tokenizer."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     from .pairs import smollm2_target_dir
@@ -288,6 +288,25 @@ def add_online_features_argument(parser: argparse.ArgumentParser) -> None:
                              "features stage: for a GPU, where that forward is cheaper than the store's disk)")
 
 
+def uses_bfloat16(args: argparse.Namespace, target) -> bool:
+    """Whether the stages compute under bfloat16 autocast (float32 weights and optimizer state either way):
+    `--compute-dtype bfloat16` / `float32`, or "auto" (the default): bfloat16 on a GPU and on a CPU with bfloat16
+    arithmetic (AVX512-BF16, AMX, Arm BF16: `dtype="auto"`'s rule, `cpu_has_native`), float32 on other CPUs, which
+    emulate bfloat16 several times slower (a feature batch 5x on a 2-core AVX2 EPYC)."""
+    from ..integrations.cpu_linear import cpu_has_native
+
+    choice = getattr(args, "compute_dtype", "auto")
+    if choice != "auto":
+        return choice == "bfloat16"
+    return next(target.parameters()).device.type != "cpu" or cpu_has_native(torch.bfloat16)
+
+
+def add_compute_dtype_argument(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--compute-dtype", choices=["auto", "bfloat16", "float32"], default="auto",
+                        help="the stages' arithmetic: bfloat16 autocast or float32 (auto: bfloat16 on a GPU and on a "
+                             "CPU with bfloat16 units, float32 on others, where bfloat16 is several times slower)")
+
+
 def peak_lr(lr: float | None, continuing: bool) -> float:
     """The stages' peak learning rate: `lr` when given, else `CONTINUED_LR` for a continuation of a trained drafter
     and `NEW_DRAFTER_LR` otherwise."""
@@ -335,8 +354,10 @@ def train_stage(stage: str, target, drafter, store, run_dir: Path, args, minutes
                     totals[f"{stage_name}_{key}"] = (old[0] + float(num), old[1] + float(den))
         return totals
 
+    bfloat16 = uses_bfloat16(args, target)
+
     def probe(step: int) -> None:
-        with torch.autocast(drafter.device.type, dtype=torch.bfloat16):
+        with torch.autocast(drafter.device.type, dtype=torch.bfloat16, enabled=bfloat16):
             loss = terms(store.batch(step, args.batch_size), step)
         (loss.loss_sum / loss.weight).backward()
         drafter.zero_grad(set_to_none=True)
@@ -344,7 +365,8 @@ def train_stage(stage: str, target, drafter, store, run_dir: Path, args, minutes
     max_steps = schedule_length(run_dir, minutes, probe, fixed_steps=fixed_steps)
     config = LoopConfig(run_dir=str(run_dir), max_steps=max_steps, max_minutes=minutes, batch_size=args.batch_size,
                         lr=args.lr, warmup_steps=min(50, max_steps // 10), eval_every=max(10, max_steps // 8),
-                        save_every=max(10, max_steps // 16), seed=args.seed, resume=True, mixed_precision="bf16",
+                        save_every=max(10, max_steps // 16), seed=args.seed, resume=True,
+                        mixed_precision="bf16" if bfloat16 else "no",
                         replan=fixed_steps is None and minutes is not None)
     return train_loop(drafter, loss_fn, eval_fn, config, f"drafter-{stage}")
 
@@ -369,6 +391,9 @@ def run(args: argparse.Namespace) -> int:
         args.stages = list(RECALIBRATION_STAGES if recalibrating else STAGES)
     work.mkdir(parents=True, exist_ok=True)
     target, tokenizer = load_target(args)
+    bfloat16 = uses_bfloat16(args, target)
+    print(f"compute: {'bfloat16 autocast' if bfloat16 else 'float32'} (--compute-dtype {args.compute_dtype})")
+    target_autocast = bfloat16 and not recalibrating  # (a quantized target computes in its own dtype)
     summary_file = work / "summary.json"
     summary = json.loads(summary_file.read_text()) if summary_file.exists() else {}
 
@@ -378,7 +403,7 @@ def run(args: argparse.Namespace) -> int:
 
     if "distill" in args.stages:
         started = time.time()
-        distill(target, tokenizer, work, args, autocast=not recalibrating,
+        distill(target, tokenizer, work, args, autocast=target_autocast,
                 requests_from=Path(args.windows_from).parent / "distill" / "requests.json" if recalibrating else None)
         record("distill_minutes", summary.get("distill_minutes", 0.0) + (time.time() - started) / 60)
     if "vocab" in args.stages and args.draft_vocab:
@@ -426,14 +451,13 @@ def run(args: argparse.Namespace) -> int:
         print("features: none stored (--online-features: the target runs over each training batch)")
     elif "features" in args.stages:
         started = time.time()
-        done = fill_store(target, store_dir, batch_size=4, minutes=args.features_minutes,
-                          autocast=not recalibrating)
+        done = fill_store(target, store_dir, batch_size=4, minutes=args.features_minutes, autocast=target_autocast)
         record("features_minutes", summary.get("features_minutes", 0.0) + (time.time() - started) / 60)
         record("feature_windows_done", done)
     run_dirs = {"backbone": work / args.backbone_run, "ar": work / args.ar_run}
     for stage in ("backbone", "ar"):
         if stage in args.stages:
-            store = open_store(store_dir, target, args, autocast=not recalibrating)
+            store = open_store(store_dir, target, args, autocast=target_autocast)
             if stage == "ar" and (not recalibrating or latest_checkpoint(run_dirs["backbone"]) is not None):
                 load_stage(drafter, run_dirs["backbone"])  # (a recalibration without one keeps --init's backbone)
             if stage == "backbone" and args.backbone_init and latest_checkpoint(run_dirs["backbone"]) is None:
@@ -448,7 +472,7 @@ def run(args: argparse.Namespace) -> int:
                                  chat_answer_tokens=store.chat_answer_tokens, loss_decay=args.decay,
                                  ce_weight=args.ce_weight, drafter_layers=drafter.config.num_hidden_layers,
                                  layer_init=layer_init, online_features=args.online_features,
-                                 device=str(target.device))
+                                 device=str(target.device), bfloat16=bfloat16)
             if stage == "backbone" and args.backbone_init:
                 stage_summary["continues"] = stage_key("backbone", args.backbone_init)
             if stage == "ar" and args.ar_init:
@@ -640,6 +664,7 @@ def add_parser(subparsers) -> None:
     parser.add_argument("--top-k", type=positive_int, default=16, help="teacher log-probs kept per position")
     parser.add_argument("--features-minutes", type=float, default=15)
     add_online_features_argument(parser)
+    add_compute_dtype_argument(parser)
     add_drafter_arguments(parser, drafter_layers=1, num_anchors=48)
     add_shape_arguments(parser)
     add_optimizer_arguments(parser, lr=NEW_DRAFTER_LR, batch_size=4, seq_len=512, continued_lr=CONTINUED_LR)

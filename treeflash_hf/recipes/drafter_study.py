@@ -65,7 +65,7 @@ def variant_args(args: argparse.Namespace, name: str) -> argparse.Namespace:
 
 def train_variant(target, tokenizer, store_dir: Path, run_dir: Path, args: argparse.Namespace) -> dict:
     """One variant: a new drafter through stage backbone (and ar), time-bounded; its summary and held-out metrics."""
-    from .drafter_recipe import load_draft_vocab, load_stage, new_drafter, open_store, train_stage
+    from .drafter_recipe import load_draft_vocab, load_stage, new_drafter, open_store, train_stage, uses_bfloat16
 
     drafter = new_drafter(target, args, tokenizer)
     token_ids = load_draft_vocab(Path(args.work))
@@ -77,7 +77,7 @@ def train_variant(target, tokenizer, store_dir: Path, run_dir: Path, args: argpa
         token_ids = token_ids[: args.draft_vocab_size]
     if token_ids is not None:
         drafter.set_draft_vocab(token_ids)
-    store = open_store(store_dir, target, args)
+    store = open_store(store_dir, target, args, autocast=uses_bfloat16(args, target))
     result = {"drafter_layers": args.drafter_layers, "layer_init": args.layer_init, "decay": args.decay,
               "draft_vocab": None if token_ids is None else len(token_ids),
               "ce_weight": args.ce_weight, "chat_windows": store.chat_window_count,
@@ -168,7 +168,7 @@ def run(args: argparse.Namespace) -> int:
 
 
 def add_parser(subparsers) -> None:
-    from .drafter_recipe import add_online_features_argument, add_shape_arguments
+    from .drafter_recipe import add_compute_dtype_argument, add_online_features_argument, add_shape_arguments
 
     parser = subparsers.add_parser("drafter-study", help="drafter designs compared at equal CPU time on one feature "
                                                          "store (resumable)")
@@ -182,6 +182,7 @@ def add_parser(subparsers) -> None:
     parser.add_argument("--threads", type=positive_int, default=1)
     add_device_argument(parser)
     add_online_features_argument(parser)
+    add_compute_dtype_argument(parser)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--chat-fraction", type=float, default=0.8, help="share of each batch from chat windows")
     add_drafter_arguments(parser, drafter_layers=1, num_anchors=48)
