@@ -16,6 +16,9 @@ again at the next forward.
 The two kernels round differently (as torch's own kernels for different row counts do: float32 products differ by ~1e-6
 relative, bfloat16 ones by its rounding), so a packed model is a different run of the same weights in the same dtype:
 compare outputs within one setting.
+
+`cpu_has_native` / `bfloat16_is_fast`: whether this CPU has half-precision arithmetic at all (without it torch emulates
+bfloat16 several times slower than float32): `dtype="auto"` and the training recipes choose their dtype by it.
 """
 
 from __future__ import annotations
@@ -62,6 +65,12 @@ def cpu_has_native(dtype: torch.dtype) -> bool:
         return any(getattr(torch.cpu, name, lambda: False)() for name in check)
     features = _arm_cpu_features()
     return ("bf16" if dtype == torch.bfloat16 else "asimdhp") in features
+
+
+def bfloat16_is_fast(device: str | torch.device) -> bool:
+    """Whether bfloat16 arithmetic is the fast choice on `device`: any accelerator, or a CPU that has it in hardware
+    (`cpu_has_native`); other CPUs emulate it several times slower than float32."""
+    return torch.device(device).type != "cpu" or cpu_has_native(torch.bfloat16)
 
 
 class PackedLinear(nn.Linear):

@@ -621,11 +621,11 @@ def answer_dtype(dtype: str, device: str = "cpu") -> str:
     """`--dtype` resolved: "auto" is bfloat16 weights on a GPU and on a CPU with bfloat16 arithmetic (`dtype="auto"`'s
     rule, `cpu_has_native`), float32 on other CPUs, which emulate bfloat16 several times slower (AVX2) and where the
     engine runs a bfloat16 model in float32 too."""
-    from ..integrations.cpu_linear import cpu_has_native
+    from ..integrations.cpu_linear import bfloat16_is_fast
 
     if dtype != "auto":
         return dtype
-    return "bfloat16" if torch.device(device).type != "cpu" or cpu_has_native(torch.bfloat16) else "float32"
+    return "bfloat16" if bfloat16_is_fast(device) else "float32"
 
 
 def load_target(target_dir: str | Path | None, dtype: str, device: str = "cpu"):

@@ -293,12 +293,12 @@ def uses_bfloat16(args: argparse.Namespace, target) -> bool:
     `--compute-dtype bfloat16` / `float32`, or "auto" (the default): bfloat16 on a GPU and on a CPU with bfloat16
     arithmetic (AVX512-BF16, AMX, Arm BF16: `dtype="auto"`'s rule, `cpu_has_native`), float32 on other CPUs, which
     emulate bfloat16 several times slower (a feature batch 5x on a 2-core AVX2 EPYC)."""
-    from ..integrations.cpu_linear import cpu_has_native
+    from ..integrations.cpu_linear import bfloat16_is_fast
 
     choice = getattr(args, "compute_dtype", "auto")
     if choice != "auto":
         return choice == "bfloat16"
-    return next(target.parameters()).device.type != "cpu" or cpu_has_native(torch.bfloat16)
+    return bfloat16_is_fast(next(target.parameters()).device)
 
 
 def add_compute_dtype_argument(parser: argparse.ArgumentParser) -> None:
