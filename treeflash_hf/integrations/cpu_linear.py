@@ -108,7 +108,6 @@ class PackedLinear(nn.Linear):
         return packed_product(input, state[1], self.bias)
 
 
-
 def can_pack(module: nn.Module) -> bool:
     """A plain CPU `nn.Linear` in a `packable_dtypes()` dtype (not a quantized or sharded subclass, not a tensor
     subclass weight)."""
