@@ -1,14 +1,16 @@
 """Tree construction, the tree attention mask and cache compaction."""
 
+import contextlib
 import itertools
 import math
 
 import torch
 from transformers import DynamicCache
 
+from treeflash_hf.engine.attention import TREE_SDPA, tree_attention
 from treeflash_hf.engine.cache import compact_cache, repack
 from treeflash_hf.engine.tree import TreeBatch, best_first_tree, chain_tree, table_children
-from treeflash_hf.engine.verify import verify_trees
+from treeflash_hf.engine.verify import tree_attention_mask, verify_trees
 from treeflash_hf.recipes.testing import random_target
 
 
@@ -117,6 +119,50 @@ def test_tree_logits_equal_linear_paths_and_compaction_continues_exactly():
             continued = target(next_tokens, cache=cache, position_ids=positions, use_cache=True).logits[0]
             fresh = target(torch.tensor([committed + [3, 44]])).logits[0, -2:]
         torch.testing.assert_close(continued, fresh, atol=1e-4, rtol=1e-4)
+
+
+def test_tree_attention_is_bit_identical_to_stock_sdpa_and_only_inside_the_engine(monkeypatch):
+    """The grouped-query layout of the verify step's attention gives the stock `sdpa` path's logits bit for bit (a
+    tree mask, a causal mask the model builds, padded rows), takes that layout for every layer, and leaves the model
+    on `sdpa` outside (an exception included)."""
+    grouped_calls = []  # per SDPA kernel call: whether its queries came laid out per key/value head
+    stock_kernel = torch.nn.functional.scaled_dot_product_attention
+
+    def counted(query, key, value, *args, **kwargs):
+        grouped_calls.append(query.shape[1] == key.shape[1] == 2 and query.shape[2] > 1)
+        return stock_kernel(query, key, value, *args, **kwargs)
+
+    # (the kernel, not this module's function, is watched: a model folder's copy of the engine, loaded by another
+    # test, registers its own copy of the function under the same name)
+    monkeypatch.setattr(torch.nn.functional, "scaled_dot_product_attention", counted)
+    for dtype in (torch.float32, torch.bfloat16):
+        target = random_target("llama", vocab_size=64, num_heads=4, num_kv_heads=2, seed=5).to(dtype)
+        prompt = torch.tensor([[5, 9, 2, 33, 17, 8], [0, 0, 4, 12, 40, 3]])
+        padding = torch.tensor([[1] * 6, [0, 0, 1, 1, 1, 1]])
+        tokens, log_probs = random_tables(4, 3, 64, seed=9)
+        trees = TreeBatch.pack([best_first_tree(root, table_children(tokens, log_probs, lambda d, t: d), 12, 4)
+                                for root in (7, 21)])
+        positions = torch.tensor([6, 4])[:, None] + trees.depths
+        mask = tree_attention_mask(trees, padding.bool(), 6, dtype)
+        logits = {}
+        for kernel in ("stock", "tree"):
+            cache = DynamicCache(config=target.config)
+            with torch.no_grad(), (tree_attention(target) if kernel == "tree" else contextlib.nullcontext()):
+                prefill = target(prompt, attention_mask=padding, cache=cache, use_cache=True).logits
+                verify = target(trees.tokens, position_ids=positions, attention_mask=mask, cache=cache,
+                                use_cache=True).logits
+            logits[kernel] = (prefill, verify)
+            assert target.config._attn_implementation == "sdpa"
+        assert all(torch.equal(stock, tree) for stock, tree in zip(logits["stock"], logits["tree"])), dtype
+        assert grouped_calls.count(True) == 2 * target.config.num_hidden_layers  # the prefill and the verify
+        grouped_calls.clear()
+    try:
+        with tree_attention(target):
+            assert target.config._attn_implementation == TREE_SDPA
+            raise RuntimeError("inside the forward")
+    except RuntimeError:
+        pass
+    assert target.config._attn_implementation == "sdpa"
 
 
 def test_chain_tree_shape():

@@ -11,6 +11,7 @@ import weakref
 import torch
 from transformers import DynamicCache
 
+from .attention import tree_attention
 from .trace import TARGET_FORWARD, VERIFY, traced
 from .tree import DraftTree, TreeBatch, root_tree
 
@@ -63,16 +64,18 @@ def verify_trees(
 @traced(TARGET_FORWARD)
 def run_target(target, input_ids, position_ids, attention_mask, cache, target_layer_ids: list[int],
                logits_to_keep: int):
-    """One cached target forward that also returns the context layers' hidden states (prefill and verify)."""
-    return target(
-        input_ids=input_ids,
-        position_ids=position_ids,
-        attention_mask=attention_mask,
-        cache=cache,
-        use_cache=True,
-        output_hidden_states=[i + 1 for i in target_layer_ids],
-        logits_to_keep=logits_to_keep,
-    )
+    """One cached target forward that also returns the context layers' hidden states (prefill and verify), its
+    attention on the tree kernel where that applies (`attention.tree_attention`)."""
+    with tree_attention(target):
+        return target(
+            input_ids=input_ids,
+            position_ids=position_ids,
+            attention_mask=attention_mask,
+            cache=cache,
+            use_cache=True,
+            output_hidden_states=[i + 1 for i in target_layer_ids],
+            logits_to_keep=logits_to_keep,
+        )
 
 
 def same_logits(first: torch.Tensor, second: torch.Tensor, dtype: torch.dtype) -> bool:

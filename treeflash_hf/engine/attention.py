@@ -1,0 +1,86 @@
+"""The verify step's attention on a CPU: grouped-query attention over a tree's nodes without copying the cache.
+
+With a mask and several query heads per key/value head, transformers' `sdpa` attention repeats every cached key and
+value once per query head (`repeat_kv`: a copy of the whole cache in every layer) and runs the kernel per query head.
+A verify forward always has a mask (the tree's) and more than one query, so it pays that copy at every step. Here
+the G query heads that share a key/value head are laid out as G*N query rows of that head instead
+(`[R, H, N, d] -> [R, K, G*N, d]`, the mask repeated along the rows): the same kernel, the same products for every
+query row, no copy of the cache. torch's CPU kernels compute each query row alone, so outputs are bit-identical to
+the stock path (tests/test_tree_and_cache.py checks it in float32 and bfloat16).
+
+`tree_attention(model)` switches a CPU `sdpa` model to it for the forwards inside the `with` (the engine's prefill,
+verify and cost-curve forwards); outside, the model runs transformers' own `sdpa` (the stock path stays stock). The
+switch goes through transformers' `AttentionInterface` and `AttentionMaskInterface` (`TREE_SDPA`: this function and
+the `sdpa` masks) and the config's attention implementation, which every attention layer reads at each call. A
+forward on another thread while the switch is on gets the same values: every call this function takes is
+bit-identical to the stock one.
+
+`R` rows, `H` query heads, `K` key/value heads (`G = H / K`), `N` queries, `L` keys, `d` head size.
+"""
+
+from __future__ import annotations
+
+import contextlib
+
+import torch
+import torch.nn.functional as F
+from transformers import AttentionInterface
+from transformers.integrations.sdpa_attention import sdpa_attention_forward
+from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
+
+TREE_SDPA = "treeflash_tree_sdpa"
+
+
+def grouped_query_rows_apply(module, query: torch.Tensor, key: torch.Tensor, attention_mask: torch.Tensor | None,
+                             dropout: float, kwargs: dict) -> bool:
+    """Whether `tree_sdpa_attention` lays this call's query heads out as rows: a CPU call with several queries, a
+    mask shared by the heads (`[R, 1, N, L]`, float or bool) and several query heads per key/value head; anything
+    else (one query, no mask, per-head masks, position biases, dropout, soft-capping) goes to the stock function."""
+    groups = getattr(module, "num_key_value_groups", 1)
+    return (query.device.type == "cpu" and query.shape[2] > 1 and groups > 1 and dropout == 0.0
+            and attention_mask is not None and attention_mask.dim() == 4 and attention_mask.shape[1] == 1
+            and attention_mask.shape[2] == query.shape[2] and query.shape[1] == key.shape[1] * groups
+            and kwargs.get("position_bias") is None and kwargs.get("softcap") is None)
+
+
+def tree_sdpa_attention(module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+                        attention_mask: torch.Tensor | None, dropout: float = 0.0, scaling: float | None = None,
+                        **kwargs) -> tuple[torch.Tensor, None]:
+    """transformers' attention-function signature: `query [R, H, N, d]`, `key` / `value [R, K, L, d]`,
+    `attention_mask [R, 1, N, L]` -> `([R, N, H, d], None)`, as `sdpa_attention_forward` returns it."""
+    if not grouped_query_rows_apply(module, query, key, attention_mask, dropout, kwargs):
+        return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling,
+                                      **kwargs)
+    rows, heads, queries, head_dim = query.shape
+    kv_heads, keys = key.shape[1], key.shape[2]
+    groups = heads // kv_heads
+    grouped_query = query.reshape(rows, kv_heads, groups * queries, head_dim)  # head h = kv head h // G, group h % G
+    grouped_mask = attention_mask[:, :, None].expand(rows, 1, groups, queries, keys).reshape(
+        rows, 1, groups * queries, keys)
+    out = F.scaled_dot_product_attention(grouped_query, key, value, attn_mask=grouped_mask, scale=scaling)
+    return out.view(rows, heads, queries, head_dim).transpose(1, 2).contiguous(), None
+
+
+AttentionInterface.register(TREE_SDPA, tree_sdpa_attention)
+AttentionMaskInterface.register(TREE_SDPA, sdpa_mask)  # the masks the model builds are the `sdpa` ones
+
+
+def tree_attention_applies(model) -> bool:
+    """Whether `tree_attention` switches `model`: a CPU model running transformers' `sdpa` attention."""
+    config = model.config.get_text_config()
+    return getattr(config, "_attn_implementation", None) == "sdpa" and model.device.type == "cpu"
+
+
+@contextlib.contextmanager
+def tree_attention(model):
+    """Run `model`'s forwards inside the `with` on `tree_sdpa_attention` where `tree_attention_applies`; the
+    implementation the model had comes back on leaving (an exception included)."""
+    if not tree_attention_applies(model):
+        yield
+        return
+    config = model.config.get_text_config()
+    config._attn_implementation = TREE_SDPA
+    try:
+        yield
+    finally:
+        config._attn_implementation = "sdpa"
