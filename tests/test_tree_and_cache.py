@@ -7,7 +7,7 @@ import math
 import torch
 from transformers import DynamicCache
 
-from treeflash_hf.engine.attention import TREE_SDPA, tree_attention
+from treeflash_hf.engine.attention import TREE_SDPA, grouped_query_rows_apply, tree_attention
 from treeflash_hf.engine.cache import compact_cache, repack
 from treeflash_hf.engine.tree import TreeBatch, best_first_tree, chain_tree, table_children
 from treeflash_hf.engine.verify import tree_attention_mask, verify_trees
@@ -156,6 +156,12 @@ def test_tree_attention_is_bit_identical_to_stock_sdpa_and_only_inside_the_engin
         assert all(torch.equal(stock, tree) for stock, tree in zip(logits["stock"], logits["tree"])), dtype
         assert grouped_calls.count(True) == 2 * target.config.num_hidden_layers  # the prefill and the verify
         grouped_calls.clear()
+    # a long prefill keeps the stock layout: its mask repeated per query head would outweigh the copies it saves
+    attention_layer = target.model.layers[0].self_attn
+    key = torch.zeros(1, 2, 1000, 16, dtype=torch.bfloat16)
+    long_mask = torch.zeros(1, 1, 1000, 1000, dtype=torch.bfloat16)
+    assert not grouped_query_rows_apply(attention_layer, torch.zeros(1, 4, 1000, 16), key, long_mask, 0.0, {})
+    assert grouped_query_rows_apply(attention_layer, torch.zeros(1, 4, 64, 16), key, long_mask[:, :, :64], 0.0, {})
     try:
         with tree_attention(target):
             assert target.config._attn_implementation == TREE_SDPA

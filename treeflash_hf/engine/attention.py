@@ -34,12 +34,17 @@ TREE_SDPA = "treeflash_tree_sdpa"
 def grouped_query_rows_apply(module, query: torch.Tensor, key: torch.Tensor, attention_mask: torch.Tensor | None,
                              dropout: float, kwargs: dict) -> bool:
     """Whether `tree_sdpa_attention` lays this call's query heads out as rows: a CPU call with several queries, a
-    mask shared by the heads (`[R, 1, N, L]`, float or bool) and several query heads per key/value head; anything
-    else (one query, no mask, per-head masks, position biases, dropout, soft-capping) goes to the stock function."""
+    mask shared by the heads (`[R, 1, N, L]`, float or bool), several query heads per key/value head, and few
+    enough queries that the mask repeated G times (`G*N*L` entries) is smaller than the repeated keys and values
+    it saves (`2*H*L*d`): N up to 384 for SmolLM2 in bfloat16, every verify step; a long prefill keeps the stock
+    layout. Anything else (one query, no mask, per-head masks, position biases, dropout, soft-capping) goes to the
+    stock function."""
     groups = getattr(module, "num_key_value_groups", 1)
     return (query.device.type == "cpu" and query.shape[2] > 1 and groups > 1 and dropout == 0.0
             and attention_mask is not None and attention_mask.dim() == 4 and attention_mask.shape[1] == 1
             and attention_mask.shape[2] == query.shape[2] and query.shape[1] == key.shape[1] * groups
+            and query.shape[2] * attention_mask.element_size()
+            <= 2 * key.shape[1] * key.shape[-1] * key.element_size()
             and kwargs.get("position_bias") is None and kwargs.get("softcap") is None)
 
 
