@@ -70,20 +70,26 @@ AttentionInterface.register(TREE_SDPA, tree_sdpa_attention)
 AttentionMaskInterface.register(TREE_SDPA, sdpa_mask)  # the masks the model builds are the `sdpa` ones
 
 
-def tree_attention_applies(model) -> bool:
-    """Whether `tree_attention` switches `model`: a CPU model running transformers' `sdpa` attention."""
+def switchable_config(model):
+    """The config whose attention implementation `tree_attention` switches (the text config, which the attention
+    layers read), or None where it does not apply: only a CPU model running transformers' `sdpa` attention."""
     config = model.config.get_text_config()
-    return getattr(config, "_attn_implementation", None) == "sdpa" and model.device.type == "cpu"
+    return config if getattr(config, "_attn_implementation", None) == "sdpa" and model.device.type == "cpu" else None
+
+
+def tree_attention_applies(model) -> bool:
+    """Whether `tree_attention` switches `model` (`switchable_config`)."""
+    return switchable_config(model) is not None
 
 
 @contextlib.contextmanager
 def tree_attention(model):
     """Run `model`'s forwards inside the `with` on `tree_sdpa_attention` where `tree_attention_applies`; the
     implementation the model had comes back on leaving (an exception included)."""
-    if not tree_attention_applies(model):
+    config = switchable_config(model)  # (once: this runs at every engine forward)
+    if config is None:
         yield
         return
-    config = model.config.get_text_config()
     config._attn_implementation = TREE_SDPA
     try:
         yield
