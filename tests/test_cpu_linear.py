@@ -243,3 +243,76 @@ def test_greedy_treeflash_over_a_packed_pair_is_the_packed_targets_own_output():
                               tree_budget=budget, tree_lookup=8, return_dict_in_generate=True)
         assert torch.equal(out.sequences, plain), (mode, budget)
         assert out.tau > 1.2
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_fused_products_are_bit_identical_and_only_inside_the_engine(monkeypatch, dtype):
+    """Inside the engine's forwards the projections that read the same input (query/key/value, gate/up) run as one
+    packed product: the logits equal the layers' own products bit for bit (a prefill and a step on its cache), every
+    group is fused once per forward, nothing is fused outside or past FUSED_MAX_ROWS rows, no output is held after
+    the forward, a weight changed in place is packed again, a copy of the model carries no group, and the engine's
+    kernels name the fused products (the cost curve's key) only while the layers are packed."""
+    import contextlib
+    import copy
+
+    from transformers import DynamicCache
+
+    from treeflash_hf.engine import onednn
+    from treeflash_hf.engine.attention import tree_attention
+    from treeflash_hf.engine.kernels import FUSED_PRODUCTS, engine_kernel_names, engine_kernels
+    from treeflash_hf.recipes.testing import random_target
+
+    if dtype not in cpu_linear.packable_dtypes():
+        pytest.skip("this CPU has no bfloat16 arithmetic")
+    target = random_target("llama", vocab_size=64, num_heads=4, num_kv_heads=2, seed=3).to(dtype)
+    assert not onednn.fused_groups(target) and pack_linears(target)  # (groups found again once packed)
+    fused_calls = []
+    product = onednn.FusedProducts.product
+    monkeypatch.setattr(onednn.FusedProducts, "product",
+                        lambda group, input: fused_calls.append(input.shape[-2]) or product(group, input))
+    step = torch.tensor([[7, 21, 40]])
+
+    def logits(kernels, prompt_len: int = 6):
+        prompt = torch.randint(0, 64, (1, prompt_len), generator=torch.Generator().manual_seed(1))
+        cache = DynamicCache(config=target.config)
+        with torch.no_grad(), kernels:
+            return target(prompt, cache=cache).logits, target(step, cache=cache).logits
+
+    def same(first, second) -> bool:
+        return all(torch.equal(a, b) for a, b in zip(first, second))
+
+    stock = logits(contextlib.nullcontext())
+    assert not fused_calls  # outside the engine every layer multiplies alone
+    groups = onednn.fused_groups(target)
+    assert len(groups) == 2 * target.config.num_hidden_layers and FUSED_PRODUCTS in engine_kernel_names(target)
+    assert same(stock, logits(onednn.fused_products(target)))
+    assert fused_calls == [6] * len(groups) + [3] * len(groups)  # every group, once per forward
+    assert all(group.local.memo is None for group in groups)  # nothing held past the forward
+    assert same(logits(tree_attention(target)), logits(engine_kernels(target)))  # the attention alike with or without
+    fused_calls.clear()
+    long = onednn.FUSED_MAX_ROWS + 1
+    assert same(logits(contextlib.nullcontext(), long), logits(onednn.fused_products(target), long))
+    assert fused_calls == [3] * len(groups)  # the long prefill multiplied layer by layer, the step fused
+    attention, inputs = target.model.layers[1].self_attn, torch.randn(2, 1, 4, 64).to(dtype)
+    with torch.no_grad():
+        alone = attention.k_proj(inputs[1])
+        with onednn.fused_products(target):
+            attention.q_proj(inputs[0])
+            assert torch.equal(attention.k_proj(inputs[1]), alone)  # another input: its own product, not the held one
+        target.model.layers[0].self_attn.k_proj.weight.mul_(1.5)  # in place: the stacked copy follows
+    assert same(logits(contextlib.nullcontext()), logits(onednn.fused_products(target)))
+    assert not any("fused_group" in module.__dict__ for module in copy.deepcopy(target).modules())
+    assert unpack_linears(target) and FUSED_PRODUCTS not in engine_kernel_names(target)
+
+
+def test_the_bench_times_plain_decoding_inside_the_engine_kernels():
+    from treeflash_hf.engine.kernels import FUSED_PRODUCTS, engine_kernel_names
+    from treeflash_hf.tools.bench import parse_methods, run_bench
+
+    target, drafter, tokenizer = reference.load("tiny", dtype=torch.float32)
+    pack_linears(target, dict.fromkeys(cpu_linear.linear_shapes(target), 0))
+    assert FUSED_PRODUCTS in engine_kernel_names(target)
+    report = run_bench(target, drafter, None, tokenizer, ["def f(x):"], parse_methods(["engine_kernels"], [8]), 12,
+                       0.0, 1, progress=False, measure_shape_noise=False)
+    row = report["results"]["engine_kernels"]  # plain decoding, its products fused: the same tokens
+    assert row["new_tokens"] == 12 and row["identical_rows"] == 1

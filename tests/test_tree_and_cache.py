@@ -7,7 +7,7 @@ import math
 import torch
 from transformers import DynamicCache
 
-from treeflash_hf.engine.attention import TREE_SDPA, grouped_query_rows_apply, tree_attention
+from treeflash_hf.engine.attention import TREE_SDPA, grouped_layout_is_exact, grouped_query_rows_apply, tree_attention
 from treeflash_hf.engine.cache import compact_cache, repack
 from treeflash_hf.engine.tree import TreeBatch, best_first_tree, chain_tree, table_children
 from treeflash_hf.engine.verify import tree_attention_mask, verify_trees
@@ -129,7 +129,8 @@ def test_tree_attention_is_bit_identical_to_stock_sdpa_and_only_inside_the_engin
     stock_kernel = torch.nn.functional.scaled_dot_product_attention
 
     def counted(query, key, value, *args, **kwargs):
-        grouped_calls.append(query.shape[1] == key.shape[1] == 2 and query.shape[2] > 1)
+        if query.shape[0] == 2:  # (the model's two rows: not `grouped_layout_is_exact`'s one-row probes)
+            grouped_calls.append(query.shape[1] == key.shape[1] == 2 and query.shape[2] > 1)
         return stock_kernel(query, key, value, *args, **kwargs)
 
     # (the kernel, not this module's function, is watched: a model folder's copy of the engine, loaded by another
@@ -169,6 +170,28 @@ def test_tree_attention_is_bit_identical_to_stock_sdpa_and_only_inside_the_engin
     except RuntimeError:
         pass
     assert target.config._attn_implementation == "sdpa"
+
+
+def test_tree_attention_is_bit_identical_at_every_tree_size():
+    """At every tree size (1-24 nodes) the engine's attention gives the stock `sdpa` logits bit for bit: where torch's
+    kernel takes the grouped rows through another product path (some row counts), the stock layout is kept."""
+    for dtype in (torch.float32, torch.bfloat16):
+        target = random_target("llama", vocab_size=64, num_heads=4, num_kv_heads=2, seed=11).to(dtype)
+        cache = DynamicCache(config=target.config)
+        with torch.no_grad():
+            target(torch.arange(1, 30)[None], cache=cache, use_cache=True)
+        tokens, log_probs = random_tables(6, 4, 64, seed=3)
+        for size in range(1, 25):
+            trees = TreeBatch.pack([best_first_tree(7, table_children(tokens, log_probs, lambda d, t: d), size, 6)])
+            mask = tree_attention_mask(trees, None, 29, dtype)
+            logits = []
+            for kernel in (contextlib.nullcontext(), tree_attention(target)):
+                with torch.no_grad(), kernel:
+                    logits.append(target(trees.tokens, position_ids=29 + trees.depths, attention_mask=mask,
+                                         cache=cache, use_cache=True).logits)
+                cache.crop(-trees.width)
+            assert torch.equal(*logits), (dtype, size)
+    assert isinstance(grouped_layout_is_exact(300, 2, 2, 16, torch.float32, 1), bool)  # more queries than probed past
 
 
 def test_chain_tree_shape():

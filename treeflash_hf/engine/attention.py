@@ -5,8 +5,9 @@ value once per query head (`repeat_kv`: a copy of the whole cache in every layer
 A verify forward always has a mask (the tree's) and more than one query, so it pays that copy at every step. Here
 the G query heads that share a key/value head are laid out as G*N query rows of that head instead
 (`[R, H, N, d] -> [R, K, G*N, d]`, the mask repeated along the rows): the same kernel, the same products for every
-query row, no copy of the cache. torch's CPU kernels compute each query row alone, so outputs are bit-identical to
-the stock path (tests/test_tree_and_cache.py checks it in float32 and bfloat16).
+query row, no copy of the cache. torch's CPU kernel computes each query row alone, through a product path chosen by
+the number of rows: the layout is taken at the query counts where a one-time probe finds the outputs bit-identical to
+the stock path (`grouped_layout_is_exact`; tests/test_tree_and_cache.py checks the logits in float32 and bfloat16).
 
 `tree_attention(model)` switches a CPU `sdpa` model to it for the forwards inside the `with` (the engine's prefill,
 verify and cost-curve forwards); outside, the model runs transformers' own `sdpa` (the stock path stays stock). The
@@ -21,6 +22,7 @@ bit-identical to the stock one.
 from __future__ import annotations
 
 import contextlib
+import functools
 
 import torch
 import torch.nn.functional as F
@@ -31,21 +33,57 @@ from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 TREE_SDPA = "treeflash_tree_sdpa"
 
 
+PROBED_PAST = (64, 600)  # cached tokens before the queries `grouped_layout_is_exact` probes (which product path a row
+# takes follows the number of query rows, not of keys: measured over 20-1200 keys)
+
+
+@functools.cache
+def grouped_layout_is_exact(queries: int, groups: int, kv_heads: int, head_dim: int, dtype: torch.dtype,
+                            threads: int) -> bool:
+    """Whether torch's CPU kernel gives the grouped layout's outputs bit for bit for `queries` queries of `groups`
+    query heads per key/value head, in `dtype` and in float32 (where rounding hides less). Not always: the kernel
+    takes some rows through another product path by their count (in torch 2.13, 1-3 and 11 queries of 3 groups:
+    3-9 and 33 rows against 1-3 and 11), so the layout is taken only at the query counts probed exact (random inputs,
+    a random tree mask, once per shape and thread count)."""
+    generator = torch.Generator().manual_seed(0)
+    for probe_dtype in {dtype, torch.float32}:
+        for keys in (past + queries for past in PROBED_PAST):
+            def randn(*shape):
+                return torch.randn(*shape, generator=generator).to(probe_dtype)
+
+            query = randn(1, kv_heads * groups, queries, head_dim)
+            key, value = randn(1, kv_heads, keys, head_dim), randn(1, kv_heads, keys, head_dim)
+            mask = torch.zeros(1, 1, queries, keys, dtype=probe_dtype)
+            mask[..., -queries:] = torch.where(torch.rand(queries, queries, generator=generator) < 0.5, float("-inf"),
+                                               0.0).fill_diagonal_(0.0).to(probe_dtype)
+            stock = F.scaled_dot_product_attention(query, key.repeat_interleave(groups, 1),
+                                                   value.repeat_interleave(groups, 1), attn_mask=mask)
+            grouped = F.scaled_dot_product_attention(
+                query.reshape(1, kv_heads, groups * queries, head_dim), key, value,
+                attn_mask=mask[:, :, None].expand(1, 1, groups, queries, keys).reshape(1, 1, groups * queries, keys))
+            if not torch.equal(stock, grouped.view_as(stock)):
+                return False
+    return True
+
+
 def grouped_query_rows_apply(module, query: torch.Tensor, key: torch.Tensor, attention_mask: torch.Tensor | None,
                              dropout: float, kwargs: dict) -> bool:
     """Whether `tree_sdpa_attention` lays this call's query heads out as rows: a CPU call with several queries, a
     mask shared by the heads (`[R, 1, N, L]`, float or bool), several query heads per key/value head, and few
     enough queries that the mask repeated G times (`G*N*L` entries) is smaller than the repeated keys and values
     it saves (`2*H*L*d`): N up to 384 for SmolLM2 in bfloat16, every verify step; a long prefill keeps the stock
-    layout. Anything else (one query, no mask, per-head masks, position biases, dropout, soft-capping) goes to the
-    stock function."""
+    layout; and only at query counts where the kernel gives the stock outputs bit for bit
+    (`grouped_layout_is_exact`). Anything else (one query, no mask, per-head masks, position biases, dropout,
+    soft-capping) goes to the stock function."""
     groups = getattr(module, "num_key_value_groups", 1)
     return (query.device.type == "cpu" and query.shape[2] > 1 and groups > 1 and dropout == 0.0
             and attention_mask is not None and attention_mask.dim() == 4 and attention_mask.shape[1] == 1
             and attention_mask.shape[2] == query.shape[2] and query.shape[1] == key.shape[1] * groups
             and query.shape[2] * attention_mask.element_size()
             <= 2 * key.shape[1] * key.shape[-1] * key.element_size()
-            and kwargs.get("position_bias") is None and kwargs.get("softcap") is None)
+            and kwargs.get("position_bias") is None and kwargs.get("softcap") is None
+            and grouped_layout_is_exact(query.shape[2], groups, key.shape[1], key.shape[-1], query.dtype,
+                                        torch.get_num_threads()))
 
 
 def tree_sdpa_attention(module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,

@@ -19,7 +19,7 @@ from pathlib import Path
 import torch
 from transformers import DynamicCache
 
-from .attention import TREE_SDPA, tree_attention, tree_attention_applies
+from .kernels import engine_kernel_names, engine_kernels
 from .tree import DraftTree
 from .verify import NOT_QUANTIZED, quantization_backend
 
@@ -41,7 +41,7 @@ def model_key(target) -> str:
     """The cost curve's cache key: model, dtype, device, threads, what quantizes the target (a backend applied
     without transformers, e.g. `torchao.quantize_` or HQQ, leaves its config as the dense model's), and the kernels
     a module names in its `cost_key` (e.g. linear layers through oneDNN's packed weights from some row count on), and
-    the verify step's attention kernel where it is not the model's own (`attention.tree_attention_applies`)."""
+    the engine's kernels where they are not the model's own (`kernels.engine_kernel_names`)."""
     config = json.dumps(target.config.to_dict(), sort_keys=True, default=str)
     parts = [config, str(target.dtype), str(target.device), str(torch.get_num_threads()), torch.__version__,
              str(DEFAULT_SIZES)]
@@ -51,8 +51,7 @@ def model_key(target) -> str:
     kernels = sorted({key for module in target.modules() if (key := getattr(module, "cost_key", None))})
     if kernels:  # likewise only when some module runs other kernels
         parts.extend(kernels)
-    if tree_attention_applies(target):
-        parts.append(TREE_SDPA)
+    parts.extend(engine_kernel_names(target))  # (none on most targets: their keys and cached curves stay)
     return hashlib.sha1("|".join(parts).encode()).hexdigest()[:16]
 
 
@@ -83,7 +82,7 @@ def measure_verify_cost(target, sizes=DEFAULT_SIZES, past_len: int = 256, repeat
             positions = torch.arange(past_len, past_len + n, device=device)[None]
             _synchronize(device)
             start = time.perf_counter()
-            with tree_attention(target):  # (as the verify step runs it)
+            with engine_kernels(target):  # (as the verify step runs it)
                 target(tokens, cache=cache, position_ids=positions, use_cache=True, logits_to_keep=0)
             _synchronize(device)
             if round_index:

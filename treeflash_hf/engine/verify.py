@@ -11,7 +11,7 @@ import weakref
 import torch
 from transformers import DynamicCache
 
-from .attention import tree_attention
+from .kernels import engine_kernels
 from .trace import TARGET_FORWARD, VERIFY, traced
 from .tree import DraftTree, TreeBatch, root_tree
 
@@ -65,8 +65,8 @@ def verify_trees(
 def run_target(target, input_ids, position_ids, attention_mask, cache, target_layer_ids: list[int],
                logits_to_keep: int):
     """One cached target forward that also returns the context layers' hidden states (prefill and verify), its
-    attention on the tree kernel where that applies (`attention.tree_attention`)."""
-    with tree_attention(target):
+    on the engine's kernels where they apply (`kernels.engine_kernels`)."""
+    with engine_kernels(target):
         return target(
             input_ids=input_ids,
             position_ids=position_ids,

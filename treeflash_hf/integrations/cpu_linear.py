@@ -34,7 +34,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from ..engine.onednn import pack_weight, packable_dtypes, packed_product
+from ..engine.onednn import note_packing, pack_weight, packable_dtypes, packed_product
 
 logger = logging.getLogger(__name__)
 
@@ -82,9 +82,11 @@ class PackedLinear(nn.Linear):
     stock_max_rows: int = 0  # inputs of at most this many rows take the stock product (timed faster there)
 
     def __getstate__(self) -> dict:
-        """Copied or pickled without the packed copy (an opaque oneDNN tensor: a cache, packed again when used)."""
+        """Copied or pickled without the packed copy (an opaque oneDNN tensor: a cache, packed again when used) and
+        without the engine's group of fused layers (it names the original layers)."""
         state = self.__dict__.copy()
         state.pop("_packed", None)
+        state.pop("fused_group", None)  # (the engine's grouping of the original layers, `engine/onednn.py`)
         return state
 
     @property
@@ -93,12 +95,17 @@ class PackedLinear(nn.Linear):
         return f"oneDNN packed {tuple(self.weight.shape)} over {self.stock_max_rows} rows"
 
     def forward(self, input: torch.Tensor) -> torch.Tensor:
+        fused = self.__dict__.get("fused_group")  # (inside the engine's forwards: `engine.onednn.fused_products`)
+        if fused is not None and (output := fused[0].computed(fused[1], input)) is not None:
+            return output  # (from the product a layer of its group computed for this same input)
         weight = self.weight
         if (torch.compiler.is_compiling() or input.device.type != "cpu" or input.dtype != weight.dtype
                 or (torch.is_grad_enabled() and (input.requires_grad or weight.requires_grad))  # (no backward)
                 or weight.dtype not in packable_dtypes() or type(weight) is not nn.Parameter  # (e.g. quantized since)
                 or input.numel() <= self.stock_max_rows * self.in_features):
             return F.linear(input, weight, self.bias)
+        if fused is not None and fused[0].serves(input):
+            return fused[0].output(fused[1], input)
         # packed again when the weight was replaced, written in place (its version) or given new storage (`.data =`)
         key = (id(weight), weight._version, weight.data_ptr())
         state = getattr(self, "_packed", None)
@@ -132,6 +139,7 @@ def pack_linears(model: nn.Module, plan: dict[tuple[int, int], int] | None = Non
             module.stock_max_rows = 0 if plan is None else plan[shape]
             module.__dict__.pop("_packed", None)
             count += 1
+    note_packing()
     return count
 
 
@@ -154,7 +162,9 @@ def unpack_linears(model: nn.Module) -> int:
             module.__dict__.pop("_packed", None)
             module.__dict__.pop("packed_rows_hint", None)
             module.__dict__.pop("stock_max_rows", None)
+            module.__dict__.pop("fused_group", None)  # (the engine groups the layers that are packed)
             count += 1
+    note_packing()
     return count
 
 

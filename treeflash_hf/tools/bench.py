@@ -25,14 +25,18 @@ from transformers.generation import GenerationMixin
 
 from ..arguments import add_pair_argument, add_target_quant_argument, positive_int
 from ..engine.answer_store import answer_store_of, attach_answer_store
+from ..engine.kernels import engine_kernel_names, engine_kernels
 from ..integrations.cpu_linear import is_packed, kernels_note, stock_kernels
 from ..optional import pyplot
 from ..recipes.prompt_sets import PromptFileError, load_prompts
 
 TREE_MODES = ("chain", "marginal_tree", "treeflash")
-BASELINES = ("autoregressive", "stock_kernels", "compiled", "hf_assisted", "prompt_lookup", "hf_dflash")
+BASELINES = ("autoregressive", "stock_kernels", "engine_kernels", "compiled", "hf_assisted", "prompt_lookup",
+             "hf_dflash")
 # `stock_kernels`: plain decoding on torch's stock linear products, where `dtype="auto"` packed the layers for oneDNN
 # (`integrations/cpu_linear.py`): what `from_pretrained` alone runs; every other method uses the packed layers
+# `engine_kernels`: plain decoding inside the kernels the engine's own forwards run on (`engine/kernels.py`): what of
+# a TreeFlash speedup the kernels alone would give plain decoding (left out where none applies to the target)
 # `compiled`: plain decoding with a static cache and torch.compile, what a user who wants speed does first; the cache
 # is sized once for every call (prompts are cut to 384 tokens), so one compiled decode graph serves every prompt
 COMPILED_CACHE_LEN = 1024
@@ -41,8 +45,9 @@ LOOKUP_SUFFIX, LOOKUP_LENGTH = "+lookup", 32
 NO_STORE = "no answer store"  # the drafter key of `--without-answer-store`
 LOOKUP_MODES = ("treeflash+lookup", "auto+lookup")
 BASELINE_STYLES = {"autoregressive": ("black", ":"), "stock_kernels": ("tab:gray", ":"),
-                   "hf_assisted": ("tab:purple", "--"), "prompt_lookup": ("tab:brown", "--"),
-                   "hf_dflash": ("tab:gray", "-."), "auto": ("tab:red", "-"), "auto+lookup": ("tab:orange", "-")}
+                   "engine_kernels": ("black", "-."), "hf_assisted": ("tab:purple", "--"),
+                   "prompt_lookup": ("tab:brown", "--"), "hf_dflash": ("tab:gray", "-."), "auto": ("tab:red", "-"),
+                   "auto+lookup": ("tab:orange", "-")}
 
 
 @dataclass
@@ -184,7 +189,7 @@ def compiled_config():
 
 
 def generate_kwargs(method: Method, drafter, draft_lm) -> dict:
-    if method.name in ("autoregressive", "stock_kernels"):
+    if method.name in ("autoregressive", "stock_kernels", "engine_kernels"):
         return {}
     if method.name == "compiled":
         return {"cache_implementation": "static", "max_cache_len": COMPILED_CACHE_LEN,
@@ -205,7 +210,8 @@ def run_method(target, inputs, method: Method, drafter, draft_lm, common: dict):
     """Returns (sequences, seconds, target forwards, accepted drafted tokens per row-step, row-steps or None)."""
     accepted: list[int] = []
     kwargs = generate_kwargs(method, drafter, draft_lm)
-    kernels = stock_kernels(target) if method.name == "stock_kernels" else nullcontext()
+    kernels = (stock_kernels(target) if method.name == "stock_kernels" else engine_kernels(target)
+               if method.name == "engine_kernels" else nullcontext())
     with count_forwards(target) as calls, record_stock_acceptance(accepted), torch.no_grad(), kernels:
         start = time.perf_counter()
         out = target.generate(**inputs, **common, **kwargs)
@@ -289,6 +295,10 @@ def run_bench(target, drafter, draft_lm, tokenizer, prompts: list[str], methods:
         print("skipping stock_kernels: the target's linear layers run torch's stock kernels already "
               "(packed for oneDNN only under --dtype auto, where timed faster)")
         methods = [m for m in methods if m.name != "stock_kernels"]
+    if not engine_kernel_names(target) and any(m.name == "engine_kernels" for m in methods):
+        print("skipping engine_kernels: none of the engine's kernels applies to this target (its forwards run the "
+              "model's own)")
+        methods = [m for m in methods if m.name != "engine_kernels"]
     eos_ids = set(target.generation_config.eos_token_id if isinstance(target.generation_config.eos_token_id, list)
                   else [target.generation_config.eos_token_id])
     batches = encode_batches(tokenizer, prompts, batch_size, max_prompt_tokens, target.device)

@@ -1,9 +1,10 @@
-"""The verify forward's attention, stock `sdpa` against the grouped-query layout (`treeflash_hf/engine/attention.py`),
-side by side: one verify forward of a tree of N nodes after P cached tokens, the two kernels alternating call by call
-(so a drifting host loads both alike). Prints the median of each and their ratio, and checks the logits are
-bit-identical.
+"""The engine's kernels for its target forwards (`treeflash_hf/engine/kernels.py`) side by side: one verify forward of
+a tree of N nodes after P cached tokens on the model's own kernels ("stock"), with the grouped-query attention alone
+("attention", `engine/attention.py`), and with every engine kernel ("engine": the attention and the fused products of
+`engine/onednn.py`), the arms alternating call by call (so a drifting host loads all alike). Prints the median of
+each, the ratios to stock, and whether the logits are bit-identical to stock.
 
-    .venv/bin/python scripts/tree_attention_ab.py --past 120 300 --nodes 9 13 17
+    .venv/bin/python scripts/engine_kernels_ab.py --past 120 300 --nodes 1 9 13 17
 
 (`dtype="auto"`: the pair's run dtype on this CPU, bfloat16 where it has the arithmetic, else float32.)
 """
@@ -20,6 +21,8 @@ from transformers import DynamicCache
 
 from treeflash_hf import reference
 from treeflash_hf.engine import verify
+from treeflash_hf.engine.attention import tree_attention
+from treeflash_hf.engine.kernels import engine_kernels
 from treeflash_hf.engine.cache import growing_cache
 from treeflash_hf.engine.tree import DraftTree, TreeBatch
 
@@ -46,10 +49,11 @@ def main() -> None:
     target, drafter, _ = reference.load(args.pair)
     vocab_size = target.config.vocab_size
     layer_ids = list(drafter.config.target_layer_ids)
-    kernels = {"stock": lambda model: contextlib.nullcontext(), "grouped": verify.tree_attention}
+    kernels = {"stock": lambda model: contextlib.nullcontext(), "attention": tree_attention, "engine": engine_kernels}
     print(f"{args.pair}, {target.dtype}, {args.threads} threads; median ms of one verify forward")
-    print("| cached tokens | nodes | stock sdpa | grouped | stock / grouped | logits identical |")
-    print("|---|---|---|---|---|---|")
+    print("| cached tokens | nodes | stock | attention | engine | stock / attention | stock / engine "
+          "| logits identical |")
+    print("|---|---|---|---|---|---|---|---|")
     for past_len in args.past:
         cache = growing_cache(DynamicCache(config=target.config))
         with torch.no_grad():
@@ -59,17 +63,19 @@ def main() -> None:
             seconds = {name: [] for name in kernels}
             logits = {}
             for repeat in range(args.repeats):
-                for name in (list(kernels) if repeat % 2 else list(kernels)[::-1]):
-                    verify.tree_attention = kernels[name]  # (what run_target enters)
+                order = list(kernels)[repeat % len(kernels):] + list(kernels)[: repeat % len(kernels)]
+                for name in order:
+                    verify.engine_kernels = kernels[name]  # (what run_target enters)
                     start = time.perf_counter()
                     logits[name], _ = verify.verify_trees(target, trees, cache, torch.tensor([past_len]), None,
                                                           layer_ids, target.device)
                     seconds[name].append(time.perf_counter() - start)
                     cache.crop(-size)
-            verify.tree_attention = kernels["grouped"]
-            stock, grouped = (statistics.median(seconds[name]) * 1e3 for name in kernels)
-            print(f"| {past_len} | {size} | {stock:.2f} | {grouped:.2f} | {stock / grouped:.3f} | "
-                  f"{torch.equal(logits['stock'], logits['grouped'])} |")
+            verify.engine_kernels = engine_kernels
+            stock, attention, engine = (statistics.median(seconds[name]) * 1e3 for name in kernels)
+            identical = all(torch.equal(logits["stock"], logits[name]) for name in kernels)
+            print(f"| {past_len} | {size} | {stock:.2f} | {attention:.2f} | {engine:.2f} | {stock / attention:.3f} | "
+                  f"{stock / engine:.3f} | {identical} |")
 
 
 if __name__ == "__main__":
