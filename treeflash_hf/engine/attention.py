@@ -48,11 +48,9 @@ def grouped_layout_is_exact(queries: int, groups: int, kv_heads: int, head_dim: 
     generator = torch.Generator().manual_seed(0)
     for probe_dtype in {dtype, torch.float32}:
         for keys in (past + queries for past in PROBED_PAST):
-            def randn(*shape):
-                return torch.randn(*shape, generator=generator).to(probe_dtype)
-
-            query = randn(1, kv_heads * groups, queries, head_dim)
-            key, value = randn(1, kv_heads, keys, head_dim), randn(1, kv_heads, keys, head_dim)
+            shapes = ((1, kv_heads * groups, queries, head_dim), (1, kv_heads, keys, head_dim),
+                      (1, kv_heads, keys, head_dim))
+            query, key, value = (torch.randn(shape, generator=generator).to(probe_dtype) for shape in shapes)
             mask = torch.zeros(1, 1, queries, keys, dtype=probe_dtype)
             mask[..., -queries:] = torch.where(torch.rand(queries, queries, generator=generator) < 0.5, float("-inf"),
                                                0.0).fill_diagonal_(0.0).to(probe_dtype)

@@ -75,9 +75,11 @@ class FusedProducts:
         self.owner = owner  # id of the model whose `fused_products` turns the group on
         self.sizes = [member.out_features for member in members]
         self.in_features = members[0].in_features
+        first = members[0]  # (`can_fuse`: every member alike in dtype, packing and bias)
+        self.kernel = (tuple(tuple(m.weight.shape) for m in members), first.weight.dtype, first.packed_rows_hint,
+                       first.bias is not None)  # what `fusion_is_exact` is asked about, with the thread count
         self.local = threading.local()  # `.memo`: [input, its version, the outputs, members yet to take theirs]
         self.state = None  # (the members' weights' identity, the stacked packed weight, the stacked bias)
-        self.exact: dict[int, bool] = {}  # thread count -> `fusion_is_exact` for the members' shapes
 
     def serves(self, input: torch.Tensor) -> bool:
         """Whether a member's packed product of `input` comes from the fused one: the group's model is on in this
@@ -87,14 +89,7 @@ class FusedProducts:
         rows = input.numel() // self.in_features
         if rows > FUSED_MAX_ROWS or any(rows <= member.stock_max_rows for member in self.members):
             return False
-        threads = torch.get_num_threads()
-        exact = self.exact.get(threads)
-        if exact is None:
-            first = self.members[0]
-            exact = self.exact[threads] = fusion_is_exact(
-                tuple(tuple(member.weight.shape) for member in self.members), first.weight.dtype,
-                first.packed_rows_hint, first.bias is not None, threads)
-        return exact
+        return fusion_is_exact(*self.kernel, torch.get_num_threads())
 
     def computed(self, index: int, input: torch.Tensor) -> torch.Tensor | None:
         """Member `index`'s output for `input` when the fused product of this very input (unchanged since) is at

@@ -64,8 +64,8 @@ def verify_trees(
 @traced(TARGET_FORWARD)
 def run_target(target, input_ids, position_ids, attention_mask, cache, target_layer_ids: list[int],
                logits_to_keep: int):
-    """One cached target forward that also returns the context layers' hidden states (prefill and verify), its
-    on the engine's kernels where they apply (`kernels.engine_kernels`)."""
+    """One cached target forward that also returns the context layers' hidden states (prefill and verify), run on
+    the engine's kernels where they apply (`kernels.engine_kernels`)."""
     with engine_kernels(target):
         return target(
             input_ids=input_ids,
