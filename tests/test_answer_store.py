@@ -59,6 +59,72 @@ def test_patterns_longer_than_the_packed_key_are_filtered_on_their_tail():
     assert store.occurrences([5, 6, 7, 8, 11]).tolist() == [9, 17]
 
 
+def test_the_vote_is_taken_token_by_token_as_defined():
+    """`continuation` counts no votes where every voter continues alike: the same tokens and shares as counting
+    every vote (the definition), through ties, answers' ends and the store's end."""
+    generator = np.random.default_rng(1)
+    answers = [generator.integers(0, 3, size=int(generator.integers(1, 30))).tolist() for _ in range(400)]
+    answers.append([0, 1, 2, 0, 1])  # the store ends inside text that occurs elsewhere
+    store = AnswerStore.from_answers(answers, vocab_size=8)
+
+    def voted(sequence, length):
+        starts, order = store.longest_match(sequence)
+        positions, tokens, shares = starts + order, [], []
+        while order and len(tokens) < length:
+            positions = positions[positions < store.tokens.size]
+            if not positions.size:
+                break
+            following = store.tokens[positions]
+            values, counts = np.unique(following, return_counts=True)
+            best = int(counts.argmax())
+            if values[best] == answer_store.SEPARATOR or counts[best] / following.size < answer_store.MIN_SHARE:
+                break
+            tokens.append(int(values[best]))
+            shares.append(float(counts[best]) / following.size)
+            positions = positions[following == values[best]] + 1
+        return tokens, shares, order
+
+    lengths = set()
+    for _ in range(500):
+        answer = answers[int(generator.integers(len(answers)))]
+        sequence = answer[: int(generator.integers(1, len(answer) + 1))]
+        length = int(generator.integers(1, 40))
+        match = store.continuation(sequence, length)
+        assert (match.tokens, match.shares, match.order) == voted(sequence, length)
+        lengths.add(len(match.tokens))
+    assert max(lengths) >= 20 and 0 in lengths
+
+
+@pytest.mark.parametrize("vocab_size", [12, 2**16, 2**21])  # keys of 8, 3 and 2 tokens
+def test_the_longest_match_is_every_occurrence_of_the_longest_suffix_in_index_order(vocab_size):
+    """`longest_match` finds the matches of every order from one search of the last key's tokens: the same starts,
+    in the same order and sampled alike, as searching each order's pattern on its own (the definition), on
+    sequences that match at every order, with more occurrences than voters."""
+    generator = np.random.default_rng(0)
+    answers = [generator.integers(0, 3, size=int(generator.integers(1, 40))).tolist() for _ in range(600)]
+    store = AnswerStore.from_answers(answers, vocab_size=vocab_size)
+
+    def each_order(sequence):
+        for order in range(min(answer_store.MAX_ORDER, len(sequence)), 0, -1):
+            starts = store.occurrences(sequence[-order:], at_most=answer_store.MAX_VOTERS)
+            if starts.size:
+                return starts, order
+        return np.zeros(0, dtype=np.int64), 0
+
+    orders = set()
+    for _ in range(300):
+        answer = answers[int(generator.integers(len(answers)))]
+        cut = int(generator.integers(1, len(answer) + 1))
+        sequence = [int(generator.integers(0, 4))] * int(generator.integers(0, 2)) + answer[:cut]
+        starts, order = store.longest_match(sequence)
+        expected_starts, expected_order = each_order(sequence)
+        assert order == expected_order and np.array_equal(starts, expected_starts)
+        orders.add(order)
+    assert orders == set(range(1, answer_store.MAX_ORDER + 1))  # every order met
+    starts, order = store.longest_match([1, 3])  # (3 never occurs)
+    assert order == 0 and starts.size == 0
+
+
 @pytest.mark.parametrize("vocab_size", [16, 70_000])  # two-byte tokens, and four-byte ones
 def test_the_store_file_round_trips_and_bad_files_name_the_fix(tmp_path, vocab_size):
     store = AnswerStore.from_answers([[1, 2, 3], [vocab_size - 1, 0]], vocab_size, {"note": "x"})

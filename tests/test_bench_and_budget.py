@@ -322,6 +322,41 @@ def test_auto_budget_costs_verification_and_drafting_as_measured_at_each_batch_s
     assert measured.overheads(8, 12)[5:] == pytest.approx([measured.overheads(8, 12)[5]] * 7)
 
 
+def test_the_cost_curve_is_measured_as_steps_run_and_slow_moments_are_measured_again(models, monkeypatch):
+    """A verify step appends to the engine's growing cache and its width changes little from step to step: the
+    curve is timed so (on a plain cache, and with every forward at a new size, a 2-core host's curve was out of
+    shape by up to 1.5x). A size timed slower than a larger one (a slow moment) is measured again."""
+    import time as clock
+
+    from treeflash_hf.engine import budget as budget_module
+    from treeflash_hf.engine.cache import GrowingLayer
+
+    target = models[0]
+    calls, slow = [], {"size": 3, "left": 6}
+    original = type(target).forward
+
+    def recorded(self, input_ids=None, cache=None, **kwargs):
+        calls.append((input_ids.shape[1], all(type(layer) is GrowingLayer for layer in cache.layers)))
+        if input_ids.shape[1] == slow["size"] and slow["left"] and len(calls) > 1:  # its first pass runs slow
+            slow["left"] -= 1
+            clock.sleep(0.05)
+        return original(self, input_ids=input_ids, cache=cache, **kwargs)
+
+    monkeypatch.setattr(type(target), "forward", recorded)
+    sizes = (1, 2, 3, 4, 6)
+    costs = budget_module.measure_verify_cost(target, sizes=sizes, past_len=16, repeats=2, block=2)
+    assert all(on_growing_cache for _, on_growing_cache in calls)
+    timed = [size for size, _ in calls[1:]]  # (after the prefix)
+    # each size three forwards in a row (one untimed), ascending then descending; then again the sizes timed slower
+    # than a larger one: size 3 (and any other a tiny model's ~1 ms forwards happened to time so)
+    rounds = [n for n in sizes for _ in range(3)] + [n for n in sizes[::-1] for _ in range(3)]
+    assert timed[: len(rounds)] == rounds
+    again = timed[len(rounds):]
+    assert 3 in again and again == [n for n in again[::3] for _ in range(3)]
+    assert costs[3] < 0.02  # its slow figures (each over the 50 ms slept) lost to the repeat's
+    assert set(costs) == set(sizes)
+
+
 def test_auto_budget_fits_the_cost_per_depth_on_steps_that_scored_once():
     """A deepened step scores the whole block and searches its trees again, and a first call's first steps pay
     one-time work: both run deep (or wide) and slow for reasons other than depth. Read as a cost per depth they

@@ -40,6 +40,32 @@ def test_ngram_continuation_prefers_the_longest_most_recent_match():
     assert ngram_continuation(torch.tensor([4]), 3, 4) == ([], 0)
 
 
+def test_ngram_continuation_is_the_windowed_search():
+    """The one-pass search gives what comparing every window of each length gives (the definition), on random
+    sequences over few tokens (matches of every length, several occurrences each)."""
+    def windowed(sequence, max_ngram, length):
+        total = sequence.shape[0]
+        for n in range(min(max_ngram, total - 1), 0, -1):
+            windows = sequence[: total - 1].unfold(0, n, 1)
+            starts = (windows == sequence[total - n :]).all(dim=-1).nonzero()[:, 0]
+            if starts.numel():
+                period = sequence[int(starts[-1]) + n :].tolist()
+                return (period * (length // len(period) + 1))[:length], n
+        return [], 0
+
+    generator = torch.Generator().manual_seed(0)
+    lengths = set()
+    for trial in range(400):
+        sequence = torch.randint(0, 2 + trial % 5, (int(torch.randint(1, 60, (1,), generator=generator)),),
+                                 generator=generator)
+        for max_ngram in (1, 3, 5):
+            expected = windowed(sequence, max_ngram, 7)
+            assert ngram_continuation(sequence, max_ngram, 7) == expected
+            assert ngram_continuation(sequence.tolist(), max_ngram, 7) == expected
+            lengths.add(expected[1])
+    assert lengths == {0, 1, 2, 3, 4, 5}
+
+
 def test_lookup_branch_is_merged_into_the_best_first_search():
     # Marginal-style tables: every depth offers tokens 10, 11 with log-probs -0.125, -2.5.
     children = table_children(torch.tensor([[10, 11]] * 4), torch.tensor([[-0.125, -2.5]] * 4), lambda d, t: d)

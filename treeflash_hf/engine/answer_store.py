@@ -108,11 +108,8 @@ class AnswerStore:
         at each depth the token most of the matching occurrences continue with (up to `MAX_VOTERS` of them, evenly
         sampled), then only the occurrences that agreed vote on the next. Ends at `length` tokens, at the end of an
         answer, or where fewer than `MIN_SHARE` of the voters agree."""
-        for order in range(min(MAX_ORDER, len(sequence)), 0, -1):
-            starts = self.occurrences(sequence[-order:], at_most=MAX_VOTERS)
-            if starts.size:
-                break
-        else:
+        starts, order = self.longest_match(sequence)
+        if not order:
             return StoreMatch([], [], 0)
         positions = starts + order
         tokens, shares = [], []
@@ -129,15 +126,45 @@ class AnswerStore:
                 shares += [1.0] * rest.size
                 break
             following = self.tokens[positions]
-            values, counts = np.unique(following, return_counts=True)
-            best = int(counts.argmax())
-            share = float(counts[best]) / following.size
-            if values[best] == SEPARATOR or share < MIN_SHARE:
+            agreed = following == following[0]
+            if agreed.all():  # (the common case: no count needed)
+                token, share = int(following[0]), 1.0
+            else:
+                values, counts = np.unique(following, return_counts=True)
+                best = int(counts.argmax())
+                token, share = int(values[best]), float(counts[best]) / following.size
+                agreed = following == token
+            if token == SEPARATOR or share < MIN_SHARE:
                 break
-            tokens.append(int(values[best]))
+            tokens.append(token)
             shares.append(share)
-            positions = positions[following == values[best]] + 1
+            positions = positions[agreed] + 1
         return StoreMatch(tokens, shares, order)
+
+    def longest_match(self, sequence: list[int]) -> tuple[np.ndarray, int]:
+        """The starts of the longest of `sequence`'s last n tokens (n = `MAX_ORDER` down to 1) that occurs, in index
+        order (at most `MAX_VOTERS`, evenly spaced), and n (0: none). A match of n >= `key_tokens` tokens ends with
+        the last `key_tokens`: their occurrences (one key, so in position order) are found once and filtered on one
+        more token before them per order, instead of a search per order (each a walk of the sorted keys, missing the
+        CPU's caches after a target forward)."""
+        head = self.key_tokens
+        if len(sequence) >= head:
+            last = self.occurrences(sequence[-head:])  # where the last `head` tokens start
+            order, found = (head, last) if last.size else (0, last)
+            for extra in range(1, min(MAX_ORDER, len(sequence)) - head + 1):
+                before = last - extra  # (the token `extra` places before them must be the sequence's too)
+                last = last[(before >= 0) & (self.tokens[np.maximum(before, 0)] == sequence[-head - extra])]
+                if not last.size:
+                    break
+                order, found = head + extra, last
+            if order:
+                starts = found - (order - head)
+                return (starts[evenly_spaced(starts.size, MAX_VOTERS)] if starts.size > MAX_VOTERS else starts), order
+        for order in range(min(head - 1, len(sequence)), 0, -1):  # shorter than a key: a range of keys each
+            starts = self.occurrences(sequence[-order:], at_most=MAX_VOTERS)
+            if starts.size:
+                return starts, order
+        return np.zeros(0, dtype=np.int64), 0
 
     @classmethod
     def from_answers(cls, answers, vocab_size: int, metadata: dict | None = None) -> "AnswerStore":

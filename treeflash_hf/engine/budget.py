@@ -19,6 +19,7 @@ from pathlib import Path
 import torch
 from transformers import DynamicCache
 
+from .cache import growing_cache
 from .kernels import engine_kernel_names, engine_kernels
 from .tree import DraftTree
 from .verify import NOT_QUANTIZED, quantization_backend
@@ -26,6 +27,8 @@ from .verify import NOT_QUANTIZED, quantization_backend
 # every size up to 8 and every other to 16: a single row's widths live there, and a CPU's curve is flat up to a
 # kernel's tile and then bends, which linear interpolation between powers of two smears over the widths around it
 DEFAULT_SIZES = (1, 2, 3, 4, 5, 6, 7, 8, 10, 12, 14, 16, 20, 24, 32, 48, 64, 96, 128, 192, 256)
+INCONSISTENT = 1.05  # a size measured this much slower than a larger one is measured again
+COST_METHOD = "steady sizes on the engine's cache"  # in the curve's key: curves measured otherwise are measured again
 
 
 def cache_dir() -> Path:
@@ -44,7 +47,7 @@ def model_key(target) -> str:
     the engine's kernels where they are not the model's own (`kernels.engine_kernel_names`)."""
     config = json.dumps(target.config.to_dict(), sort_keys=True, default=str)
     parts = [config, str(target.dtype), str(target.device), str(torch.get_num_threads()), torch.__version__,
-             str(DEFAULT_SIZES)]
+             str(DEFAULT_SIZES), COST_METHOD]
     backend = quantization_backend(target)
     if backend != NOT_QUANTIZED:  # only then, so that dense targets keep their keys and cached curves
         parts.append(backend)
@@ -56,38 +59,52 @@ def model_key(target) -> str:
 
 
 @torch.no_grad()
-def measure_verify_cost(target, sizes=DEFAULT_SIZES, past_len: int = 256, repeats: int = 5,
+def measure_verify_cost(target, sizes=DEFAULT_SIZES, past_len: int = 256, repeats: int = 3, block: int = 2,
                         max_seconds: float = 20.0, sync=None) -> dict[int, float]:
-    """Seconds of one target forward over n new tokens after `past_len` cached ones, for each n: the fastest of
-    `repeats` rounds, each round timing every size once. Other work on the machine only adds time, and a burst of
-    it lands on one round of every size rather than on all repeats of a few sizes, so the curve keeps its shape
-    (a curve measured while the machine is busy is cached and would mislead every later call). Past
-    `max_seconds` no round starts after the second: on a slow CPU a round takes ~8 s, and every first call (the
-    demo's included) waits for the curve. With a `sync` every rank stops where rank 0 does (the forwards are
-    collectives)."""
+    """Seconds of one target forward over n new tokens after `past_len` cached ones, for each n, measured as the
+    verify step runs them: on the engine's cache (`cache.growing_cache`) and kernels, each size in its steady state.
+    A round visits every size (ascending, then descending the next round) and times `block` forwards of it back to
+    back after an untimed one; a size's cost is its fastest. Other work on the machine only adds time, and the
+    untimed forward takes what a change of size costs once (the allocator and the kernels settling to new shapes;
+    docs/design.md, "auto"), which a decoding loop, whose widths change little, does not pay at every step. Past
+    `max_seconds` no round starts after the second: every first call (the demo's included) waits for the curve. With
+    a `sync` every rank stops where rank 0 does (the forwards are collectives)."""
     device = target.device
     vocab = target.config.get_text_config().vocab_size
     prefix = torch.randint(0, vocab, (1, past_len), device=device)
-    cache = DynamicCache(config=target.config)
+    cache = growing_cache(DynamicCache(config=target.config))
     target(prefix, cache=cache, use_cache=True)
     times: dict[int, list[float]] = {n: [] for n in sizes}
-    started = time.perf_counter()
-    for round_index in range(repeats + 1):  # round 0 warms up
-        if round_index > 2:
-            stop = int(time.perf_counter() - started > max_seconds)
-            if (stop if sync is None else sync.share_int(stop)):
-                break
-        for n in sizes:
-            tokens = torch.randint(0, vocab, (1, n), device=device)
-            positions = torch.arange(past_len, past_len + n, device=device)[None]
+
+    def measure(n: int) -> None:
+        tokens = torch.randint(0, vocab, (1, n), device=device)
+        positions = torch.arange(past_len, past_len + n, device=device)[None]
+        for timed in range(block + 1):
             _synchronize(device)
             start = time.perf_counter()
             with engine_kernels(target):  # (as the verify step runs it)
                 target(tokens, cache=cache, position_ids=positions, use_cache=True, logits_to_keep=0)
             _synchronize(device)
-            if round_index:
+            if timed:
                 times[n].append(time.perf_counter() - start)
             cache.crop(-n)  # back to the prefix
+
+    started = time.perf_counter()
+    for round_index in range(repeats):
+        if round_index >= 2:
+            stop = int(time.perf_counter() - started > max_seconds)
+            if (stop if sync is None else sync.share_int(stop)):
+                break
+        for n in (sizes if round_index % 2 == 0 else sizes[::-1]):
+            measure(n)
+    # A size timed slower than a larger one was timed in a slow moment (noise only adds): measured again, once
+    costs = {n: min(measured) for n, measured in times.items()}
+    ordered = sorted(costs)
+    suspect = [int(i + 1 < len(ordered) and costs[n] > INCONSISTENT * min(costs[m] for m in ordered[i + 1:]))
+               for i, n in enumerate(ordered)]
+    for n, again in zip(ordered, suspect if sync is None else sync.share_ints(suspect)):
+        if again:
+            measure(n)
     return {n: min(measured) for n, measured in times.items()}
 
 

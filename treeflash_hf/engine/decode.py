@@ -229,7 +229,7 @@ def lookup_branches(rows: Rows, lookup_rates, lengths: list[int], store: AnswerS
         candidates = []
         if length > 0:
             sequence = token_ids[pad:]
-            tokens, ngram = ngram_continuation(torch.tensor(sequence), MAX_NGRAM, length)
+            tokens, ngram = ngram_continuation(sequence, MAX_NGRAM, length)
             candidates.append((tokens, ("sequence", ngram)))
             if store is not None:
                 match = store.continuation(sequence, length)

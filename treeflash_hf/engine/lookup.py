@@ -28,23 +28,31 @@ NO_SOURCE: LookupSource = ("none", 0)
 MIN_PATH_PROB = 0.05
 
 
-def ngram_continuation(sequence: torch.LongTensor, max_ngram: int, length: int) -> tuple[list[int], int]:
+def ngram_continuation(sequence: torch.LongTensor | list[int], max_ngram: int, length: int) -> tuple[list[int], int]:
     """The `length` tokens that followed the most recent earlier occurrence of the last n tokens of `sequence
-    [S]`, trying n = max_ngram down to 1. Returns (continuation, n), or ([], 0) when nothing matches.
+    [S]`, the longest n up to `max_ngram` that occurs. Returns (continuation, n), or ([], 0) when nothing matches.
 
     A match that ends `p` tokens before the sequence does is a copy at distance `p`; where the copied text runs
     into the end of the sequence, the copy continues over its own output (as in LZ77), so text repeating with
-    period `p` yields a continuation of any length, not just `p` tokens."""
-    sequence = sequence.cpu()
-    total = sequence.shape[0]
-    for n in range(min(max_ngram, total - 1), 0, -1):
-        windows = sequence[: total - 1].unfold(0, n, 1)  # [S-n, n], windows that have a next token
-        starts = (windows == sequence[total - n :]).all(dim=-1).nonzero()[:, 0]
-        if starts.numel():
-            begin = int(starts[-1]) + n
-            period = sequence[begin:total].tolist()
-            return (period * (length // len(period) + 1))[:length], n
-    return [], 0
+    period `p` yields a continuation of any length, not just `p` tokens. (One pass over the host's list, most recent
+    first: a few hundred tokens cost less than the tensor calls of a windowed comparison per n.)"""
+    tokens = sequence.tolist() if isinstance(sequence, torch.Tensor) else list(sequence)
+    total = len(tokens)
+    best_n, best_end = 0, -1
+    for end in range(total - 2, -1, -1):  # where an earlier occurrence ends (it has a next token)
+        if tokens[end] != tokens[-1]:
+            continue
+        n = 1
+        while n < max_ngram and end - n >= 0 and tokens[end - n] == tokens[total - 1 - n]:
+            n += 1
+        if n > best_n:  # (the most recent occurrence of each length is met first)
+            best_n, best_end = n, end
+            if n == max_ngram:
+                break
+    if not best_n:
+        return [], 0
+    period = tokens[best_end + 1 :]
+    return (period * (length // len(period) + 1))[:length], best_n
 
 
 def depth_bucket(depth: int) -> int:
