@@ -83,13 +83,12 @@ class FusedProducts:
 
     def serves(self, input: torch.Tensor) -> bool:
         """Whether a member's packed product of `input` comes from the fused one: the group's model is on in this
-        thread, every member takes its packed product at this row count, and fusing is exact here."""
+        thread, the rows are a verify step's few, and fusing is exact here. (Asked by a member that takes its packed
+        product at this row count, so every member does: `can_fuse` groups layers of one `stock_max_rows`.)"""
         if self.owner not in getattr(_FUSION, "models", ()):
             return False
-        rows = input.numel() // self.in_features
-        if rows > FUSED_MAX_ROWS or any(rows <= member.stock_max_rows for member in self.members):
-            return False
-        return fusion_is_exact(*self.kernel, torch.get_num_threads())
+        return (input.numel() <= FUSED_MAX_ROWS * self.in_features
+                and fusion_is_exact(*self.kernel, torch.get_num_threads()))
 
     def computed(self, index: int, input: torch.Tensor) -> torch.Tensor | None:
         """Member `index`'s output for `input` when the fused product of this very input (unchanged since) is at
