@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import threading
 
 import torch
 import torch.nn.functional as F
@@ -84,21 +85,44 @@ def grouped_query_rows_apply(module, query: torch.Tensor, key: torch.Tensor, att
                                         torch.get_num_threads()))
 
 
+_LAST_CALL = threading.local()  # `.memo`: (what a call's layout depends on, its grouped mask or None)
+
+
+def grouped_mask(module, query: torch.Tensor, key: torch.Tensor, attention_mask: torch.Tensor | None,
+                 dropout: float, kwargs: dict) -> torch.Tensor | None:
+    """The mask of the grouped layout (`[R, 1, G*N, L]`) where `grouped_query_rows_apply`, else None. Every layer of
+    a forward asks with the same mask and shapes: the answer is kept for the next call (in this thread) with that
+    very mask, unchanged, and the same shapes, groups, dropout, extra arguments and thread count."""
+    key_of_call = (attention_mask, None if attention_mask is None else attention_mask._version, query.shape,
+                   query.device, query.dtype, key.shape, getattr(module, "num_key_value_groups", 1), dropout,
+                   kwargs.get("position_bias") is None and kwargs.get("softcap") is None, torch.get_num_threads())
+    memo = getattr(_LAST_CALL, "memo", None)
+    if memo is not None and len(memo[0]) == len(key_of_call) and all(
+            a is b or (type(a) is not torch.Tensor and a == b) for a, b in zip(memo[0], key_of_call)):
+        return memo[1]
+    mask = None
+    if grouped_query_rows_apply(module, query, key, attention_mask, dropout, kwargs):
+        rows, heads, queries, _ = query.shape
+        kv_heads, keys = key.shape[1], key.shape[2]
+        groups = heads // kv_heads
+        mask = attention_mask[:, :, None].expand(rows, 1, groups, queries, keys).reshape(
+            rows, 1, groups * queries, keys)
+    _LAST_CALL.memo = (key_of_call, mask)
+    return mask
+
+
 def tree_sdpa_attention(module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
                         attention_mask: torch.Tensor | None, dropout: float = 0.0, scaling: float | None = None,
                         **kwargs) -> tuple[torch.Tensor, None]:
     """transformers' attention-function signature: `query [R, H, N, d]`, `key` / `value [R, K, L, d]`,
     `attention_mask [R, 1, N, L]` -> `([R, N, H, d], None)`, as `sdpa_attention_forward` returns it."""
-    if not grouped_query_rows_apply(module, query, key, attention_mask, dropout, kwargs):
+    mask = grouped_mask(module, query, key, attention_mask, dropout, kwargs)
+    if mask is None:
         return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling,
                                       **kwargs)
     rows, heads, queries, head_dim = query.shape
-    kv_heads, keys = key.shape[1], key.shape[2]
-    groups = heads // kv_heads
-    grouped_query = query.reshape(rows, kv_heads, groups * queries, head_dim)  # head h = kv head h // G, group h % G
-    grouped_mask = attention_mask[:, :, None].expand(rows, 1, groups, queries, keys).reshape(
-        rows, 1, groups * queries, keys)
-    out = F.scaled_dot_product_attention(grouped_query, key, value, attn_mask=grouped_mask, scale=scaling)
+    grouped_query = query.reshape(rows, key.shape[1], -1, head_dim)  # head h = kv head h // G, group h % G
+    out = F.scaled_dot_product_attention(grouped_query, key, value, attn_mask=mask, scale=scaling)
     return out.view(rows, heads, queries, head_dim).transpose(1, 2).contiguous(), None
 
 

@@ -109,13 +109,16 @@ class FusedProducts:
         return outputs[index]
 
     def product(self, input: torch.Tensor) -> list[torch.Tensor]:
+        return [part.contiguous() for part in self.views(input)]
+
+    def views(self, input: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        """Every member's output for `input` as a view of the one fused product (`[..., out]` each, strided)."""
         identity = [(id(m.weight), m.weight._version, m.weight.data_ptr()) for m in self.members]
         if self.state is None or self.state[0] != identity:
             weight = torch.cat([member.weight.detach() for member in self.members])
             bias = None if self.members[0].bias is None else torch.cat([m.bias.detach() for m in self.members])
             self.state = (identity, pack_weight(weight, self.members[0].packed_rows_hint), bias)
-        fused = packed_product(input, self.state[1], self.state[2])
-        return [part.contiguous() for part in fused.split(self.sizes, dim=-1)]
+        return packed_product(input, self.state[1], self.state[2]).split(self.sizes, dim=-1)
 
     def forget(self) -> None:
         """Drop this thread's memo (a member that was never called keeps it until here)."""
@@ -135,6 +138,25 @@ def can_fuse(members: list) -> bool:
 
 _GROUPS: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()  # model -> (packing count, its FusedProducts)
 _PACKINGS = [0]  # how many times layers were packed or unpacked (`note_packing`): the groups found before are stale
+
+
+def fused_views(members: tuple, input: torch.Tensor) -> tuple[torch.Tensor, ...] | None:
+    """`members`' outputs for `input` as views of their group's fused product, where the group is exactly these
+    layers in this order and serves this call as it would serve the members called one by one (they take their
+    packed products at this row count and `serves` says yes); else None. For a caller that reads its outputs as
+    views (`lean_forward`): the members' own forwards hand out contiguous copies."""
+    fused = members[0].__dict__.get("fused_group")
+    if fused is None or fused[1] != 0 or fused[0].members != list(members):
+        return None
+    group = fused[0]
+    if not (members[0].takes_packed(input) and group.serves(input)):
+        return None
+    return group.views(input)
+
+
+def packing_count() -> int:
+    """How many times layers were packed or unpacked in this process (a change of any model's kernels)."""
+    return _PACKINGS[0]
 
 
 def note_packing() -> None:

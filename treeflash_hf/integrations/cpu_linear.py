@@ -94,15 +94,20 @@ class PackedLinear(nn.Linear):
         """What sets this layer's cost, for the cost curve's cache key (`engine/budget.py`, `model_key`)."""
         return f"oneDNN packed {tuple(self.weight.shape)} over {self.stock_max_rows} rows"
 
+    def takes_packed(self, input: torch.Tensor) -> bool:
+        """Whether this layer multiplies `input` by its packed weight (else the stock `F.linear`)."""
+        weight = self.weight
+        return not (torch.compiler.is_compiling() or input.device.type != "cpu" or input.dtype != weight.dtype
+                    or (torch.is_grad_enabled() and (input.requires_grad or weight.requires_grad))  # (no backward)
+                    or weight.dtype not in packable_dtypes() or type(weight) is not nn.Parameter  # (quantized since)
+                    or input.numel() <= self.stock_max_rows * self.in_features)
+
     def forward(self, input: torch.Tensor) -> torch.Tensor:
         fused = self.__dict__.get("fused_group")  # (inside the engine's forwards: `engine.onednn.fused_products`)
         if fused is not None and (output := fused[0].computed(fused[1], input)) is not None:
             return output  # (from the product a layer of its group computed for this same input)
         weight = self.weight
-        if (torch.compiler.is_compiling() or input.device.type != "cpu" or input.dtype != weight.dtype
-                or (torch.is_grad_enabled() and (input.requires_grad or weight.requires_grad))  # (no backward)
-                or weight.dtype not in packable_dtypes() or type(weight) is not nn.Parameter  # (e.g. quantized since)
-                or input.numel() <= self.stock_max_rows * self.in_features):
+        if not self.takes_packed(input):
             return F.linear(input, weight, self.bias)
         if fused is not None and fused[0].serves(input):
             return fused[0].output(fused[1], input)
