@@ -191,7 +191,7 @@ def test_prompt_files(tmp_path):
 
 def test_auto_budget_learns_widths_from_accepted_paths():
     chain = chain_tree(0, torch.arange(1, 16), torch.full((15,), -0.05))  # 16 nodes: root and a 15-token chain
-    budget = AutoBudget({1: 1.0, 16: 1.0}, explore_every=10**6, prior_misses=0.0)
+    budget = AutoBudget({1: 1.0, 16: 1.0}, explore_every=10**6, prior_weight=0.0)
     # what verifying each prefix would have yielded: node p adds a token exactly when it is on the accepted path
     budget.observe([8], [[1, 2, 3]], seconds=1.5)
     assert budget.expected_tokens(8) == [1, 2, 3, 4, 4, 4, 4, 4]
@@ -202,10 +202,15 @@ def test_auto_budget_learns_widths_from_accepted_paths():
     assert rates[1].item() == pytest.approx(1.0)
     assert rates[2].item() == pytest.approx((0.99 * 1 + 0.5) / (0.99 * 1 + 1.0))  # both rows verified place 2
     assert rates[4].item() == pytest.approx(0.5 / (0.99 * 1 + 0.5))  # only the 8-node row verified place 4
-    # a place verified on few steps is shrunk toward "never accepted" by the pseudo-misses
-    shrunk = AutoBudget({1: 1.0, 16: 1.0}, explore_every=10**6, prior_misses=1.0)
+    # a place verified on few steps is shrunk toward the drafter's probability of its path over those steps (toward
+    # "never accepted" where none is known)
+    shrunk = AutoBudget({1: 1.0, 16: 1.0}, explore_every=10**6, prior_weight=1.0)
     shrunk.observe([4], [[1, 2, 3]], seconds=1.5)
     assert shrunk.expected_tokens(4) == [1, 1.5, 2, 2.5]
+    informed = AutoBudget({1: 1.0, 16: 1.0}, explore_every=10**6, prior_weight=1.0)
+    informed.observe([4, 2], [[1], []], seconds=1.5, path_probs=torch.tensor([[1.0, 0.8, 0.5, 0.3], [1.0, 0.6, 0, 0]]))
+    # place 1: both rows, 1 of 2 accepted, predicted 0.7; places 2-3: the first row only, not accepted
+    assert informed.expected_tokens(4) == pytest.approx([1, 1 + (0.5 + 0.7) / 2, 1.6 + 0.5 / 1.5, 1.6 + (0.5 + 0.3) / 1.5])
 
     def trained(curve: dict[int, float], depth: int, rows: int = 1, **options) -> AutoBudget:
         """A settled budget (no exploration due) that has seen `depth` drafted tokens accepted on every step of
@@ -285,7 +290,7 @@ def test_auto_budget_costs_verification_and_drafting_as_measured_at_each_batch_s
         """Steps of `rows` rows whose accepted paths run 0..12 nodes deep (rates falling with the place),
         verification `verify_factor` times the curve, drafting 5 ms per row plus `seconds_per_position` per drafted
         position and row; widths 8 and 12 alternate so that the rest of a step varies with its depth."""
-        budget = AutoBudget(curve, explore_every=10**6, warmup_steps=0)
+        budget = AutoBudget(curve, explore_every=10**6, warmup_steps=0, prior_weight=1.0)  # (no path probabilities)
         for step in range(40):
             width = (8, 12)[step % 2]
             paths = [list(range(1, 1 + min(width - 1, (row + step) % 13))) for row in range(rows)]
@@ -333,18 +338,20 @@ def test_the_cost_curve_is_measured_as_steps_run_and_slow_moments_are_measured_a
 
     target = models[0]
     calls, slow = [], {"size": 3, "left": 6}
-    original = type(target).forward
 
-    def recorded(self, input_ids=None, cache=None, **kwargs):
+    def recorded(module, args, kwargs):  # (a hook on the model: it sees every forward, whichever runs it)
+        input_ids, cache = args[0] if args else kwargs["input_ids"], kwargs["cache"]
         calls.append((input_ids.shape[1], all(type(layer) is GrowingLayer for layer in cache.layers)))
         if input_ids.shape[1] == slow["size"] and slow["left"] and len(calls) > 1:  # its first pass runs slow
             slow["left"] -= 1
             clock.sleep(0.05)
-        return original(self, input_ids=input_ids, cache=cache, **kwargs)
 
-    monkeypatch.setattr(type(target), "forward", recorded)
+    hook = target.register_forward_pre_hook(recorded, with_kwargs=True)
     sizes = (1, 2, 3, 4, 6)
-    costs = budget_module.measure_verify_cost(target, sizes=sizes, past_len=16, repeats=2, block=2)
+    try:
+        costs = budget_module.measure_verify_cost(target, sizes=sizes, past_len=16, repeats=2, block=2)
+    finally:
+        hook.remove()
     assert all(on_growing_cache for _, on_growing_cache in calls)
     timed = [size for size, _ in calls[1:]]  # (after the prefix)
     # each size three forwards in a row (one untimed), ascending then descending; then again the sizes timed slower

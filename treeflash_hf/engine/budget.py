@@ -140,7 +140,8 @@ class AutoBudget:
     - `tokens(n) = 1 + rate[1:n].sum()`: best-first order puts parents before children, so one verified step shows
       for every n up to its width what n nodes would have yielded (node p adds a token exactly when it is on the
       accepted path; exact for greedy, an estimate under sampling). `rate[p]` is the decayed acceptance count of
-      place p over the steps that verified it, shrunk toward 0 where few did.
+      place p over the steps that verified it, shrunk toward the drafter's own probability of that place's path
+      over the same steps where few did (places past the width are verified only on exploring steps).
     - `c` is the target's measured verification cost curve, `scale` what verifying at this number of rows measured
       against it, `overhead` the measured rest of a drafted step, adjusted by `depth_cost` seconds per drafted
       depth and row (fitted on how the rest of a step moves with its depth, over the steps that scored their depths
@@ -151,7 +152,7 @@ class AutoBudget:
     The rationale and the measurements behind each rule: docs/design.md ("auto")."""
 
     def __init__(self, costs: dict[int, float], smoothing: float = 0.99, explore_every: int = 4,
-                 max_explore_every: int = 32, first_width: int = 16, prior_misses: float = 1.0,
+                 max_explore_every: int = 32, first_width: int = 16, prior_weight: float = 4.0,
                  switch_margin: float = 0.01, warmup_steps: int = 8, max_depth: int | None = None):
         sizes = sorted(costs)
         self.max_size = sizes[-1]  # largest measured forward, in total tokens
@@ -166,12 +167,13 @@ class AutoBudget:
         self.smoothing = smoothing
         self.explore_every = explore_every
         self.max_explore_every = max_explore_every
-        # A place seen on few steps (only the exploring ones verify past the current width) is shrunk toward "never
-        # accepted" by `prior_misses` pseudo-verifications, and the width changes only for one whose expected rate
-        # beats the last choice's by `switch_margin`: on a flat stretch of the cost curve many widths are within
-        # noise of each other, and the noise of a few places would otherwise move the width back and forth (a
-        # tie-break toward narrow widths instead drifted below the widths worth verifying).
-        self.prior_misses = prior_misses
+        # A place seen on few steps (only the exploring ones verify past the current width) is shrunk toward the
+        # drafter's own probability of its path (calibrated: docs/design.md, "auto") by `prior_weight`
+        # pseudo-verifications; toward "never accepted", those places read a third of their rate and the width
+        # settled too narrow. The width changes only for one whose expected rate beats the last choice's by
+        # `switch_margin`: on a flat stretch of the cost curve many widths are within noise of each other, and the
+        # noise of a few places would otherwise move the width back and forth.
+        self.prior_weight = prior_weight
         self.switch_margin = switch_margin
         self.last_best = first_width  # the last width chosen on trees not cut short
         self.planned = first_width  # this step's width, settled by `plan`
@@ -185,6 +187,7 @@ class AutoBudget:
         # per place p = 0..max_size-1 in the best-first order: decayed count of acceptances and of verifications
         self.accepted_sums = torch.zeros(self.max_size, dtype=torch.float64)
         self.verified_sums = torch.zeros(self.max_size, dtype=torch.float64)
+        self.predicted_sums = torch.zeros(self.max_size, dtype=torch.float64)  # of the drafter's path probability
         self.verified_extent = 0  # places 0..verified_extent-1 have been verified on some step
         self.overhead: dict[int, float] = {}  # rows -> recent seconds of a drafted step besides the verification
         self.verify_scale: dict[int, float] = {}  # rows -> recent measured verification seconds / c(rows * width)
@@ -225,10 +228,12 @@ class AutoBudget:
         tensor calls would."""
         accepted = self.accepted_sums[:width].tolist()
         verified = self.verified_sums[:width].tolist()
-        tokens, expected = 1.0, []
-        for accepted_at, verified_at in zip(accepted, verified):
+        predicted = self.predicted_sums[:width].tolist()
+        tokens, expected, weight = 1.0, [], self.prior_weight
+        for accepted_at, verified_at, predicted_at in zip(accepted, verified, predicted):
             # place 0, the root, is on no accepted path (paths list drafted nodes), so its rate is 0: tokens(1) = 1
-            tokens += accepted_at / (verified_at + self.prior_misses)
+            prior = predicted_at / verified_at if verified_at > 0 else 0.0
+            tokens += (accepted_at + weight * prior) / (verified_at + weight) if verified_at + weight > 0 else 0.0
             expected.append(tokens)
         return expected
 
@@ -317,12 +322,13 @@ class AutoBudget:
 
     def observe(self, sizes: list[int], paths: list[list[int]], seconds: float,
                 verify_seconds: float | None = None, drafted_depth: int | None = None,
-                deepened: bool = False) -> None:
+                deepened: bool = False, path_probs: torch.Tensor | None = None) -> None:
         """One verified drafted step: the rows' verified trees' nodes, each row's accepted path (node numbers), the
         step's wall time from drafting to acceptance and, of it, the verification's (the target's forward and the
         acceptance; None: not measured apart, taken as the cost curve's figure), the depths the drafter scored
-        (None: those of the widest verified tree), and whether its trees asked for the depths left unscored (then
-        searched again).
+        (None: those of the widest verified tree), whether its trees asked for the depths left unscored (then
+        searched again), and `path_probs [R, >= width]`: the drafter's probability of each verified node's path (0
+        past a row's tree; None: none known, the places shrink toward "never accepted").
 
         `depth_cost` is fitted on steps that scored their depths once, after the warm-up: a deepened step scores
         the whole block and searches twice, and the first steps of a first call pay one-time work; both would be
@@ -335,6 +341,11 @@ class AutoBudget:
         verified = torch.bincount(sizes - 1, minlength=width).flip(0).cumsum(0).flip(0)  # rows that verified it
         self.accepted_sums[:width].mul_(self.smoothing).add_(accepted, alpha=1 / rows)
         self.verified_sums[:width].mul_(self.smoothing).add_(verified, alpha=1 / rows)
+        self.predicted_sums[:width].mul_(self.smoothing)
+        if path_probs is not None:
+            predicted = path_probs[:, :width].sum(0, dtype=torch.float64)
+            predicted[0] = 0.0  # (the root is on no accepted path)
+            self.predicted_sums[:width].add_(predicted, alpha=1 / rows)
         self.verified_extent = max(self.verified_extent, width)
         self.observed_steps += 1
         predicted = self.verify_cost(rows * width)

@@ -353,7 +353,7 @@ def learn_from_step(learned, plan: StepPlan, accepted: list[Acceptance], seconds
     learned.schedule.observe(plan.kind, seconds, accepted_lengths, plan.branch_expected)
     if learned.auto_budget is not None and plan.kind == "draft":
         learned.auto_budget.observe(plan.trees.size_list(), [result.path for result in accepted], seconds,
-                                    verify_seconds, plan.drafted_depth, plan.deepened)
+                                    verify_seconds, plan.drafted_depth, plan.deepened, plan.trees.path_log_probs.exp())
 
 
 @dataclass
