@@ -45,7 +45,7 @@ PROBE_PAST, PROBE_TREE = 6, 5  # tokens of the probe's prefill and of its tree
 
 
 def lean_layout(model) -> list | None:
-    """The modules `lean_forward` steps over (their hooks would not run), or None where `model` is not a decoder it
+    """The modules `lean_forward` may step over (their hooks would not run), or None where `model` is not a decoder it
     covers: a causal LM of `LEAN_MODEL_TYPES` with the Llama layout, every layer full attention, its forward the
     class's own (accelerate's dispatch replaces it), outside torch.distributed."""
     config = model.config
@@ -74,7 +74,9 @@ def lean_layout(model) -> list | None:
         norms += [attention.q_norm, attention.k_norm] if query_key_norms else []
         if not all(hasattr(norm, "variance_epsilon") and hasattr(norm, "weight") for norm in norms):
             return None
-        stepped_over += [layer, attention, mlp, *norms]
+        # (the projections read as one fused product's views are not called either)
+        stepped_over += [layer, attention, mlp, *norms, attention.q_proj, attention.k_proj, attention.v_proj,
+                         mlp.gate_proj, mlp.up_proj]
     if not hasattr(inner.norm, "variance_epsilon"):
         return None
     return stepped_over
