@@ -343,9 +343,9 @@ class AutoBudget:
         self.verified_sums[:width].mul_(self.smoothing).add_(verified, alpha=1 / rows)
         self.predicted_sums[:width].mul_(self.smoothing)
         if path_probs is not None:
-            predicted = path_probs[:, :width].sum(0, dtype=torch.float64)
-            predicted[0] = 0.0  # (the root is on no accepted path)
-            self.predicted_sums[:width].add_(predicted, alpha=1 / rows)
+            path_sums = path_probs[:, :width].sum(0, dtype=torch.float64)
+            path_sums[0] = 0.0  # (the root is on no accepted path)
+            self.predicted_sums[:width].add_(path_sums, alpha=1 / rows)
         self.verified_extent = max(self.verified_extent, width)
         self.observed_steps += 1
         predicted = self.verify_cost(rows * width)
